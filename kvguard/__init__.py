@@ -1,0 +1,27 @@
+"""kvguard: catch in-place writes to tensors that someone else still relies on.
+
+    import kvguard
+
+    with kvguard.guard(rollout_data, action="raise") as g:
+        compute_advantages_and_returns(args, rollout_data)
+
+Importing kvguard does not import torch; the engine loads when a guard is entered.
+"""
+
+from kvguard._errors import ConfigError as ConfigError
+from kvguard._errors import MutationError as MutationError
+from kvguard._errors import MutationWarning as MutationWarning
+from kvguard._events import GuardReport as GuardReport
+from kvguard._events import MutationEvent as MutationEvent
+from kvguard._guard import Guard as Guard
+from kvguard._guard import guard as guard
+from kvguard._guard import guarded as guarded
+
+__version__ = "0.1.0"
+__all__ = ["ConfigError", "Guard", "GuardReport", "MutationError", "MutationEvent",
+           "MutationWarning", "guard", "guarded"]
+
+# Re-exports look native: tracebacks and reprs say kvguard.MutationError.
+for _name in __all__:
+    globals()[_name].__module__ = __name__
+del _name

@@ -1,0 +1,190 @@
+"""Find the user's frame behind an op, and the statement that placed a tensor in a dict.
+
+Stdlib only. Frames inside torch, kvguard and wrapt are skipped; the first frame
+outside them is "the user's". Placement is found by reading the user's source: the
+latest statement at or before the current line that stores into a container that now
+holds the new tensor (`rollout_data["kl"] = kl`, `d.update(...)`, `lst.append(t)`).
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import os
+import sys
+import types
+from typing import Any, Iterator, NamedTuple, Optional
+
+_ANY = object()  # a key the source does not spell as a constant
+_STORE_METHODS = frozenset({"update", "setdefault", "append", "extend", "insert", "__setitem__", "__ior__"})
+_MAX_FRAMES = 12
+_skip_prefixes: Optional[tuple[str, ...]] = None
+
+
+def _internal_prefixes() -> tuple[str, ...]:
+    global _skip_prefixes
+    if _skip_prefixes is None:
+        dirs = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
+        for name in ("torch", "wrapt"):
+            module = sys.modules.get(name)
+            if module is not None and getattr(module, "__file__", None):
+                dirs.append(os.path.dirname(os.path.abspath(module.__file__)) + os.sep)
+        _skip_prefixes = tuple(dirs)
+    return _skip_prefixes
+
+
+def _is_internal(filename: str) -> bool:
+    return filename.startswith(_internal_prefixes()) or filename.startswith("<frozen")
+
+
+def user_frames(start: Optional[types.FrameType] = None) -> Iterator[types.FrameType]:
+    """Frames outside torch, kvguard and wrapt, innermost first."""
+    frame = start if start is not None else sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not _is_internal(filename if os.path.isabs(filename) else os.path.abspath(filename)):
+            yield frame
+        frame = frame.f_back
+
+
+class Site(NamedTuple):
+    """A source location, as plain data."""
+
+    filename: str
+    lineno: int
+    function: str
+    code: str
+
+    @property
+    def short(self) -> str:
+        return f"{os.path.basename(self.filename)}:{self.lineno}"
+
+
+UNKNOWN_SITE = Site("<unknown>", 0, "<unknown>", "")
+
+
+def site_of(frame: Optional[types.FrameType]) -> Site:
+    if frame is None:
+        return UNKNOWN_SITE
+    code = frame.f_code
+    line = linecache.getline(code.co_filename, frame.f_lineno, frame.f_globals).strip()
+    return Site(code.co_filename, frame.f_lineno, code.co_name, line)
+
+
+def placement_site(frames: list[types.FrameType], chain: tuple[tuple[Any, Any], ...]) -> Optional[Site]:
+    """The statement that put a tensor where `chain` says it is, if the source shows it.
+
+    `chain` lists `(container, key)` from the guarded object down to the tensor. The
+    search looks at the given user frames, innermost first, for a store into any of
+    those containers, preferring the right key and a line at or before the frame's
+    current line.
+    """
+    for frame in frames[:_MAX_FRAMES]:
+        found = _placement_in_frame(frame, chain)
+        if found is not None:
+            return found
+    return None
+
+
+def _placement_in_frame(frame: types.FrameType, chain: tuple[tuple[Any, Any], ...]) -> Optional[Site]:
+    stores = _stores_in(frame.f_code)
+    if not stores:
+        return None
+    namespace = {**frame.f_globals, **frame.f_locals}
+    best: Optional[tuple[tuple[int, int, int], int]] = None
+    for lineno, name, key in stores:
+        obj = namespace.get(name, _ANY)
+        for depth, (container, chain_key) in enumerate(chain):
+            if obj is not container:
+                continue
+            key_score = 2 if key is not _ANY and _same_key(key, chain_key) else (1 if key is _ANY else 0)
+            if key_score == 0:
+                continue
+            score = (int(lineno <= frame.f_lineno), key_score, lineno if lineno <= frame.f_lineno else -lineno)
+            if best is None or score > best[0]:
+                best = (score, lineno)
+    if best is None:
+        return None
+    filename = frame.f_code.co_filename
+    line = linecache.getline(filename, best[1], frame.f_globals).strip()
+    return Site(filename, best[1], frame.f_code.co_name, line)
+
+
+def _same_key(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+_stores_cache: dict[types.CodeType, tuple[tuple[int, str, Any], ...]] = {}
+_module_cache: dict[str, Optional[ast.Module]] = {}
+
+
+def _stores_in(code: types.CodeType) -> tuple[tuple[int, str, Any], ...]:
+    """`(lineno, container name, key)` for each store into a named container in `code`."""
+    cached = _stores_cache.get(code)
+    if cached is None:
+        cached = _stores_cache[code] = tuple(_find_stores(code))
+    return cached
+
+
+def _find_stores(code: types.CodeType) -> Iterator[tuple[int, str, Any]]:
+    tree = _parse(code.co_filename)
+    if tree is None:
+        return
+    scope: ast.AST = tree
+    if code.co_name != "<module>":
+        found = next((n for n in ast.walk(tree) if _defines(n, code)), None)
+        if found is None:
+            return
+        scope = found
+    for node in ast.walk(scope):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for sub in ast.walk(target):
+                    if isinstance(sub, ast.Subscript) and isinstance(sub.value, ast.Name):
+                        yield node.lineno, sub.value.id, _constant(sub.slice)
+            if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+                yield node.lineno, node.target.id, _ANY  # d |= {...}; lst += [...]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            if node.func.attr in _STORE_METHODS and isinstance(owner, ast.Name):
+                yield from _method_stores(node, owner.id)
+
+
+def _method_stores(node: ast.Call, name: str) -> Iterator[tuple[int, str, Any]]:
+    attr = node.func.attr  # type: ignore[attr-defined]
+    if attr in ("setdefault", "__setitem__") and node.args:
+        yield node.lineno, name, _constant(node.args[0])
+    elif attr == "update" and (node.keywords or (node.args and isinstance(node.args[0], ast.Dict))):
+        for kw in node.keywords:
+            yield node.lineno, name, kw.arg if kw.arg is not None else _ANY
+        if node.args and isinstance(node.args[0], ast.Dict):
+            for k in node.args[0].keys:
+                yield node.lineno, name, _constant(k) if k is not None else _ANY
+    else:
+        yield node.lineno, name, _ANY
+
+
+def _constant(node: Optional[ast.AST]) -> Any:
+    return node.value if isinstance(node, ast.Constant) else _ANY
+
+
+def _defines(node: ast.AST, code: types.CodeType) -> bool:
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        return False
+    if node.lineno == code.co_firstlineno:
+        return getattr(node, "name", code.co_name) == code.co_name or isinstance(node, ast.Lambda)
+    decorators = getattr(node, "decorator_list", [])
+    return bool(decorators) and decorators[0].lineno == code.co_firstlineno and node.name == code.co_name
+
+
+def _parse(filename: str) -> Optional[ast.Module]:
+    if filename not in _module_cache:
+        try:
+            _module_cache[filename] = ast.parse("".join(linecache.getlines(filename)))
+        except (SyntaxError, ValueError):
+            _module_cache[filename] = None
+    return _module_cache[filename]

@@ -1,0 +1,121 @@
+"""`MutationGuardMode`: see every op, find the ones that write protected memory.
+
+The mode turns a protected write into a `MutationEvent` and hands it to a callback; what
+to do about it (raise, warn, record) is the caller's policy. With `block=True` the
+callback runs before the op, so raising there leaves the data intact.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kvguard import _diff, _frames, _torch
+from kvguard._events import MutationEvent
+from kvguard._protect import Entry, ProtectedSet
+
+_facts_cache = _torch._facts_cache
+_op_facts = _torch.op_facts
+_COPY = torch.ops.aten.copy_.default
+
+
+class MutationGuardMode(TorchDispatchMode):
+    """Reports every op that writes memory of a `ProtectedSet`.
+
+    Ops that write nothing cost one dict lookup on top of the dispatch itself; stacks
+    are captured only for a protected write.
+    """
+
+    def __init__(self, protected: ProtectedSet, on_event: Callable[[MutationEvent], None],
+                 block: bool, diff: bool = True) -> None:
+        super().__init__()
+        self.protected = protected
+        self.on_event = on_event
+        self.block = block
+        self.diff = diff
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        facts = _facts_cache.get(func)
+        if facts is None:
+            facts = _op_facts(func)
+        if not facts.written:
+            return func(*args, **(kwargs or {}))
+        return self._on_write(func, facts, args, kwargs or {})
+
+    def _on_write(self, func: Any, facts: _torch.OpFacts, args: Any, kwargs: dict[str, Any]) -> Any:
+        protected = self.protected
+        protected.refresh()
+        hit: list[Entry] = []
+        for tensor in _torch.written_tensors(facts, args, kwargs):
+            for entry in protected.hits(tensor):
+                if entry not in hit:
+                    hit.append(entry)
+        if not hit or (func is _COPY and _is_self_copy(args)):
+            return func(*args, **kwargs)
+
+        site = _frames.site_of(next(_frames.user_frames(sys._getframe(1)), None))
+        if self.block:
+            for entry in hit:
+                self.on_event(self._event(func, facts.kind, entry, site, blocked=True))
+            # The callback chose not to stop the write: fall through and report it.
+        for entry in hit:
+            tensor = protected.tensor_of(entry)
+            if self.diff and entry.before is None and tensor is not None and facts.kind == "write":
+                entry.before = _diff.snapshot(tensor)
+        before_meta = {id(e): _describe(protected.tensor_of(e)) for e in hit}
+        out = func(*args, **kwargs)
+        for entry in hit:
+            if facts.kind == "repoint":
+                protected.repointed(entry)
+            event = self._event(func, facts.kind, entry, site, blocked=False,
+                                before_meta=before_meta[id(entry)])
+            if entry.before is not None:  # the next write's diff starts from this value
+                entry.before = _diff.advance(entry.before, protected.tensor_of(entry))
+            self.on_event(event)
+        return out
+
+    def _event(self, func: Any, kind: str, entry: Entry, site: _frames.Site, blocked: bool,
+               before_meta: Optional[str] = None) -> MutationEvent:
+        tensor = self.protected.tensor_of(entry)
+        described = _describe(tensor)
+        if blocked:
+            before = _values(tensor)
+            after = None
+            diff = "not applied: raised before the write, the data is intact"
+        elif kind == "write":
+            before = _diff.values(entry.before) if entry.before is not None else described
+            after = _values(tensor)
+            diff = _diff.diff(entry.before, tensor) if tensor is not None and self.diff else ""
+        else:
+            before = before_meta or described
+            after = described
+            diff = "metadata only: the values were not written" if kind == "metadata" else (
+                "the tensor now refers to other memory")
+        return MutationEvent(
+            path=entry.path, op=_torch.short_op_name(func), kind=kind, blocked=blocked,
+            filename=site.filename, lineno=site.lineno, code=site.code, function=site.function,
+            placed_at=entry.placed_at, tensor=described, before=before, after=after, diff=diff,
+        )
+
+
+def _describe(tensor: Optional[torch.Tensor]) -> str:
+    return _diff.describe(tensor) if tensor is not None else "<freed>"
+
+
+def _values(tensor: Optional[torch.Tensor]) -> str:
+    return _diff.values(tensor) if tensor is not None else "<freed>"
+
+
+def _is_self_copy(args: Any) -> bool:
+    """`k[-1] += r` ends with `copy_(view, view)`: a no-op that is not a new write."""
+    if len(args) < 2 or not isinstance(args[1], torch.Tensor):
+        return False
+    dst, src = args[0], args[1]
+    try:
+        return (dst.dtype == src.dtype and dst.device == src.device and dst.shape == src.shape
+                and dst.stride() == src.stride() and dst.data_ptr() == src.data_ptr())
+    except Exception:  # noqa: BLE001
+        return False

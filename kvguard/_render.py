@@ -1,0 +1,113 @@
+"""Render events and reports: plain text for errors, files and tests; rich for terminals.
+
+Stdlib only at import; rich is imported when a panel is drawn. Every rendering of one
+event stays under 4 KiB, so a single write of it is atomic on a pipe shared by ranks.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvguard._events import GuardReport, MutationEvent
+
+MAX_EVENT_CHARS = 3000  # leaves room for a panel's frame and a rank tag under 4 KiB
+MAX_EVENTS_SHOWN = 20
+HINT = "write to a new tensor (k = k * c) or clone first (k = k.clone())"
+
+
+def event_details(ev: MutationEvent) -> list[tuple[str, str]]:
+    """The aligned `key  value` lines under an event's headline."""
+    rows = [("code", ev.code), ("tensor", ev.tensor)]
+    if ev.placed_at:
+        rows.append(("placed", ev.placed_at))
+    if ev.blocked:
+        rows += [("values", ev.before), ("action", "raised before the write; the data is intact"),
+                 ("hint", HINT)]
+    elif ev.kind == "write":
+        rows += [("before", ev.before), ("after", ev.after or ""), ("changed", ev.diff)]
+    else:
+        rows += [("before", ev.before), ("after", ev.after or ""), ("note", ev.diff)]
+    return rows
+
+
+def format_event(ev: MutationEvent) -> str:
+    lines = [ev.headline()] + [f"  {key:<8} {value}" for key, value in event_details(ev)]
+    return _clip("\n".join(lines))
+
+
+def format_report(report: GuardReport) -> str:
+    if report.ok:
+        return f"kvguard: no in-place writes to the tensors protected in {report.name}"
+    shown = report.events[:MAX_EVENTS_SHOWN]
+    blocks = [format_event(ev) for ev in shown]
+    more = len(report.events) - len(shown)
+    if more:
+        blocks.append(f"… and {more} more write{'s' if more != 1 else ''}")
+    return "\n".join(blocks)
+
+
+def _clip(text: str) -> str:
+    if len(text) <= MAX_EVENT_CHARS:
+        return text
+    return text[: MAX_EVENT_CHARS - 2] + " …"
+
+
+def rich_event(ev: MutationEvent, tag: str = "") -> Any:
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=None, show_header=False, show_edge=False, pad_edge=False)
+    table.add_column(style="bold cyan", no_wrap=True)
+    table.add_column(overflow="fold")
+    for key, value in event_details(ev):
+        table.add_row(key, _clip(value))
+    title = "kvguard: in-place write blocked" if ev.blocked else "kvguard: in-place write"
+    if tag:
+        title += f"  {tag}"
+    from rich.console import Group
+
+    headline = Text(ev.headline(), style="bold red" if ev.blocked else "bold yellow")
+    return Panel(Group(headline, table), title=title, title_align="left", expand=False)
+
+
+def rich_report(report: GuardReport) -> Any:
+    from rich.console import Group
+    from rich.text import Text
+
+    if report.ok:
+        return Text(format_report(report), style="green")
+    items = [rich_event(ev) for ev in report.events[:MAX_EVENTS_SHOWN]]
+    more = len(report.events) - len(items)
+    if more:
+        items.append(Text(f"… and {more} more writes"))
+    return Group(*items)
+
+
+def print_event(ev: MutationEvent, tag: str = "", file: Any = None) -> None:
+    """Render one event once and write it to stderr in a single call."""
+    from rich.console import Console
+
+    out = file if file is not None else sys.stderr
+    buffer = io.StringIO()
+    isatty = bool(getattr(out, "isatty", lambda: False)())
+    width = _width(out)
+    console = Console(file=buffer, width=width, force_terminal=isatty, color_system="auto" if isatty else None,
+                      soft_wrap=False)
+    console.print(rich_event(ev, tag))
+    out.write(buffer.getvalue())
+    out.flush()
+
+
+def _width(out: Any) -> int:
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit():
+        return max(60, min(160, int(columns)))
+    try:
+        return max(60, min(160, os.get_terminal_size(out.fileno()).columns))
+    except (OSError, AttributeError, ValueError, io.UnsupportedOperation):
+        return 100
