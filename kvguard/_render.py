@@ -65,7 +65,7 @@ def rich_event(ev: MutationEvent, tag: str = "") -> Any:
     table.add_column(style="bold cyan", no_wrap=True)
     table.add_column(overflow="fold")
     for key, value in event_details(ev):
-        table.add_row(key, _clip(value))
+        table.add_row(key, Text(_clip(value)))  # Text: user code is not rich markup
     title = "kvguard: in-place write blocked" if ev.blocked else "kvguard: in-place write"
     if tag:
         title += f"  {tag}"
