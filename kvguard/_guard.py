@@ -11,9 +11,10 @@ import sys
 import warnings
 from typing import Any, Callable, Collection, Optional, TypeVar
 
-from kvguard import _frames, _render
+from kvguard import _frames, _ranks, _render
 from kvguard._errors import ConfigError, MutationError, MutationWarning
 from kvguard._events import GuardReport, MutationEvent
+from kvguard._state import STATE
 
 ACTIONS = ("raise", "warn", "record")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -39,6 +40,7 @@ class Guard:
         self._mode: Any = None
         self._protected: Any = None
         self._entered = False
+        self.target: Optional[str] = None  # set when env activation guards a target
 
     def __enter__(self) -> Guard:
         if self._entered:
@@ -85,13 +87,14 @@ class Guard:
 
     def _on_event(self, event: MutationEvent, at_exit: bool = False) -> None:
         self.report.events.append(event)
+        STATE.publish(event, self)
         if self.action == "raise" and not at_exit:
             raise MutationError(_render.format_event(event), event, self.report)
         if self.action == "warn":
             key = (event.path, event.filename, event.lineno)
             if key not in self._warned:
                 self._warned.add(key)
-                _render.print_event(event)
+                _render.print_event(event, tag=_ranks.rank_tag())
                 warnings.warn_explicit(event.headline(), MutationWarning, event.filename, event.lineno)
 
     def __repr__(self) -> str:

@@ -111,3 +111,34 @@ def _width(out: Any) -> int:
         return max(60, min(160, os.get_terminal_size(out.fileno()).columns))
     except (OSError, AttributeError, ValueError, io.UnsupportedOperation):
         return 100
+
+
+def report_table(records: list[dict[str, Any]], width: Any = None) -> str:
+    """Events from report files grouped by (path, op, site), with a count per rank."""
+    if not records:
+        return "kvguard: no events"
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    ranks = sorted({r.get("rank") or 0 for r in records})
+    groups: dict[tuple[str, str, str], dict[int, int]] = {}
+    codes: dict[tuple[str, str, str], str] = {}
+    for r in records:
+        key = (str(r.get("path")), str(r.get("op")), f"{os.path.basename(str(r.get('file')))}:{r.get('line')}")
+        counts = groups.setdefault(key, {})
+        counts[r.get("rank") or 0] = counts.get(r.get("rank") or 0, 0) + 1
+        codes.setdefault(key, str(r.get("code") or ""))
+    table = Table(title=f"kvguard: {len(records)} events on {len(ranks)} rank{'s' if len(ranks) != 1 else ''}",
+                  title_justify="left")
+    for column in ("path", "op", "site", "code"):
+        table.add_column(column, overflow="fold")
+    for rank in ranks:
+        table.add_column(f"rank {rank}", justify="right")
+    for key in sorted(groups, key=lambda k: -sum(groups[k].values())):
+        counts = groups[key]
+        table.add_row(*(Text(v) for v in key), Text(codes[key]), *(str(counts.get(r, "")) for r in ranks))
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=width or _width(sys.stdout), color_system=None, force_terminal=False)
+    console.print(table)
+    return buffer.getvalue().rstrip("\n")

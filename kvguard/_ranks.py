@@ -1,0 +1,81 @@
+"""Which process of a distributed job this is, for report tags. Stdlib only.
+
+Reads `torch.distributed` only if it is already imported and initialised, else the
+`RANK` / `LOCAL_RANK` / `WORLD_SIZE` variables torchrun sets. Integrations add finer
+tags (Megatron's tp/pp/dp/cp) through the `kvguard.rank_tags` entry-point group or
+`register_tagger`; their failures never break a report.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable, Optional
+
+Tagger = Callable[[], "dict[str, Any]"]
+_taggers: list[Tagger] = []
+_entry_points_loaded = False
+
+
+def register_tagger(tagger: Tagger) -> Callable[[], None]:
+    """Add a function returning extra tags (`{"tp": 1, "pp": 0}`); returns its undo."""
+    _taggers.append(tagger)
+    return lambda: _taggers.remove(tagger) if tagger in _taggers else None
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    try:
+        from importlib.metadata import entry_points
+
+        for ep in entry_points(group="kvguard.rank_tags"):
+            try:
+                _taggers.append(ep.load())
+            except Exception as exc:  # noqa: BLE001
+                sys.stderr.write(f"kvguard: rank tags from {ep.value} unavailable: {exc}\n")
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def rank_info() -> dict[str, Any]:
+    """`rank`, `local_rank`, `world_size` (None when unknown) plus integration tags."""
+    info: dict[str, Any] = {"rank": _env_int("RANK"), "local_rank": _env_int("LOCAL_RANK"),
+                            "world_size": _env_int("WORLD_SIZE")}
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            info["rank"], info["world_size"] = dist.get_rank(), dist.get_world_size()
+    except Exception:  # noqa: BLE001
+        pass
+    _load_entry_points()
+    for tagger in list(_taggers):
+        try:
+            info.update(tagger() or {})
+        except Exception:  # noqa: BLE001 - tags are decoration; never fail a report
+            pass
+    return info
+
+
+def rank_tag(info: Optional[dict[str, Any]] = None) -> str:
+    """`rank 3/8 tp=1 pp=0`, or "" for a single process with no rank information."""
+    info = rank_info() if info is None else info
+    if info.get("rank") is None:
+        return ""
+    world = info.get("world_size")
+    parts = [f"rank {info['rank']}" + (f"/{world}" if world is not None else "")]
+    parts += [f"{k}={v}" for k, v in info.items()
+              if k not in ("rank", "world_size", "local_rank") and v is not None]
+    return " ".join(parts)
+
+
+def rank_number() -> int:
+    rank = rank_info().get("rank")
+    return int(rank) if rank is not None else 0
+
+
+def _env_int(name: str) -> Optional[int]:
+    value = os.environ.get(name, "")
+    return int(value) if value.strip().lstrip("-").isdigit() else None
