@@ -35,6 +35,8 @@ class MutationEvent:
     before: str
     after: Optional[str]
     diff: str
+    aliases: tuple[str, ...] = ()  # other paths to the same tensor
+    detached: bool = False  # removed from (or replaced in) the guarded object before the write
 
     @property
     def site(self) -> str:

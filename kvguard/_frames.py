@@ -12,6 +12,7 @@ import ast
 import linecache
 import os
 import sys
+import sysconfig
 import types
 from typing import Any, Iterator, NamedTuple, Optional
 
@@ -19,22 +20,31 @@ _ANY = object()  # a key the source does not spell as a constant
 _STORE_METHODS = frozenset({"update", "setdefault", "append", "extend", "insert", "__setitem__", "__ior__"})
 _MAX_FRAMES = 12
 _skip_prefixes: Optional[tuple[str, ...]] = None
+_skip_has_torch = False
 
 
 def _internal_prefixes() -> tuple[str, ...]:
-    global _skip_prefixes
-    if _skip_prefixes is None:
+    global _skip_prefixes, _skip_has_torch
+    if _skip_prefixes is None or (not _skip_has_torch and "torch" in sys.modules):
+        _skip_has_torch = "torch" in sys.modules
         dirs = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
-        for name in ("torch", "wrapt"):
+        for name in ("torch", "wrapt", "typing_extensions"):
             module = sys.modules.get(name)
             if module is not None and getattr(module, "__file__", None):
-                dirs.append(os.path.dirname(os.path.abspath(module.__file__)) + os.sep)
+                path = os.path.abspath(module.__file__)
+                dirs.append(os.path.dirname(path) + os.sep if path.endswith("__init__.py") else path)
         _skip_prefixes = tuple(dirs)
     return _skip_prefixes
 
 
+_STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+
+
 def _is_internal(filename: str) -> bool:
-    return filename.startswith(_internal_prefixes()) or filename.startswith("<frozen")
+    """Frames of torch, kvguard, wrapt, typing_extensions and the standard library."""
+    if filename.startswith(_internal_prefixes()) or filename.startswith("<frozen"):
+        return True
+    return filename.startswith(_STDLIB) and "-packages" + os.sep not in filename
 
 
 def user_frames(start: Optional[types.FrameType] = None) -> Iterator[types.FrameType]:
@@ -144,28 +154,47 @@ def _find_stores(code: types.CodeType) -> Iterator[tuple[int, str, Any]]:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
                 for sub in ast.walk(target):
-                    if isinstance(sub, ast.Subscript) and isinstance(sub.value, ast.Name):
-                        yield node.lineno, sub.value.id, _constant(sub.slice)
+                    if isinstance(sub, ast.Subscript):
+                        yield from _owners(node.lineno, sub)
             if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
                 yield node.lineno, node.target.id, _ANY  # d |= {...}; lst += [...]
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            owner = node.func.value
-            if node.func.attr in _STORE_METHODS and isinstance(owner, ast.Name):
-                yield from _method_stores(node, owner.id)
+            if node.func.attr in _STORE_METHODS:
+                yield from _method_stores(node)
 
 
-def _method_stores(node: ast.Call, name: str) -> Iterator[tuple[int, str, Any]]:
+def _owners(lineno: int, expr: ast.AST, key: Any = _ANY) -> Iterator[tuple[int, str, Any]]:
+    """`(lineno, name, key)` for the named container an expression stores into.
+
+    `rd["kl"] = x` and `rd["kl"].append(x)` both name `rd` with key "kl"; `lst[0] = x`
+    and `lst.append(x)` name `lst`.
+    """
+    while isinstance(expr, (ast.Subscript, ast.Attribute)):
+        if isinstance(expr, ast.Subscript):
+            key = _constant(expr.slice)
+            if isinstance(expr.value, ast.Name):
+                yield lineno, expr.value.id, key
+        expr = expr.value
+    if isinstance(expr, ast.Name) and key is _ANY:
+        yield lineno, expr.id, _ANY
+
+
+def _method_stores(node: ast.Call) -> Iterator[tuple[int, str, Any]]:
+    owner = node.func.value  # type: ignore[attr-defined]
     attr = node.func.attr  # type: ignore[attr-defined]
-    if attr in ("setdefault", "__setitem__") and node.args:
-        yield node.lineno, name, _constant(node.args[0])
-    elif attr == "update" and (node.keywords or (node.args and isinstance(node.args[0], ast.Dict))):
+    if isinstance(owner, ast.Name) and attr in ("setdefault", "__setitem__") and node.args:
+        yield node.lineno, owner.id, _constant(node.args[0])
+    elif isinstance(owner, ast.Name) and attr == "update" and (
+            node.keywords or (node.args and isinstance(node.args[0], ast.Dict))):
         for kw in node.keywords:
-            yield node.lineno, name, kw.arg if kw.arg is not None else _ANY
+            yield node.lineno, owner.id, kw.arg if kw.arg is not None else _ANY
         if node.args and isinstance(node.args[0], ast.Dict):
             for k in node.args[0].keys:
-                yield node.lineno, name, _constant(k) if k is not None else _ANY
+                yield node.lineno, owner.id, _constant(k) if k is not None else _ANY
+    elif isinstance(owner, ast.Name):
+        yield node.lineno, owner.id, _ANY
     else:
-        yield node.lineno, name, _ANY
+        yield from _owners(node.lineno, owner)
 
 
 def _constant(node: Optional[ast.AST]) -> Any:

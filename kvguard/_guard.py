@@ -41,6 +41,9 @@ class Guard:
         self._protected: Any = None
         self._entered = False
         self.target: Optional[str] = None  # set when env activation guards a target
+        # Where exit-check events are located; defaults to the frame that exits the guard
+        # (integrations such as the pytest plugin point it at the test instead).
+        self.exit_site: Optional[_frames.Site] = None
 
     def __enter__(self) -> Guard:
         if self._entered:
@@ -73,7 +76,7 @@ class Guard:
             return []
         from kvguard import _diff
 
-        site = _frames.site_of(next(_frames.user_frames(sys._getframe(1)), None))
+        site = self.exit_site or _frames.site_of(next(_frames.user_frames(sys._getframe(1)), None))
         events = []
         for entry, tensor, old in moved:
             events.append(MutationEvent(

@@ -71,6 +71,7 @@ def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: An
     wrapper = getattr(owner, attr)
     setattr(wrapper, _MARK, str(target))
     rebound = _rebind_aliases(function, wrapper, skip=owner)
+    STATE.patched.append(str(target))
     STATE.undo.append(lambda: _restore(owner, attr, original, rebound))
 
 

@@ -37,6 +37,40 @@ class MutationGuardMode(TorchDispatchMode):
         self.block = block
         self.diff = diff
 
+    def __enter__(self) -> MutationGuardMode:
+        self._unhook_swap = _torch.on_swap_tensors(self._on_swap)
+        try:
+            return super().__enter__()  # type: ignore[no-any-return]
+        except BaseException:
+            self._unhook_swap()
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._unhook_swap()
+
+    def _on_swap(self, t1: torch.Tensor, t2: torch.Tensor) -> Callable[[], None]:
+        """`torch.utils.swap_tensors` on a protected tensor: report it like `set_`."""
+        protected = self.protected
+        hit = [e for e in (protected.entry_of(t1), protected.entry_of(t2)) if e is not None]
+        if not hit:
+            return lambda: None
+        site = _frames.site_of(next(_frames.user_frames(sys._getframe(1)), None))
+        before = {id(e): _describe(protected.tensor_of(e)) for e in hit}
+        if self.block:
+            for entry in hit:
+                self.on_event(self._event(_torch.SWAP_OP, "repoint", entry, site, blocked=True))
+        restore = protected.release((t1, t2))
+
+        def after() -> None:
+            restore()
+            for entry in hit:
+                self.on_event(self._event(_torch.SWAP_OP, "repoint", entry, site, blocked=False,
+                                          before_meta=before[id(entry)]))
+        return after
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         facts = _facts_cache.get(func)
         if facts is None:
@@ -48,11 +82,13 @@ class MutationGuardMode(TorchDispatchMode):
     def _on_write(self, func: Any, facts: _torch.OpFacts, args: Any, kwargs: dict[str, Any]) -> Any:
         protected = self.protected
         protected.refresh()
-        hit: list[Entry] = []
-        for tensor in _torch.written_tensors(facts, args, kwargs):
-            for entry in protected.hits(tensor):
-                if entry not in hit:
-                    hit.append(entry)
+        written = _torch.written_tensors(facts, args, kwargs)
+        if len(written) == 1:
+            hit = protected.hits(written[0], facts.kind)
+        else:
+            hit = []
+            for tensor in written:
+                hit += [e for e in protected.hits(tensor, facts.kind) if e not in hit]
         if not hit or (func is _COPY and _is_self_copy(args)):
             return func(*args, **kwargs)
 
@@ -68,8 +104,8 @@ class MutationGuardMode(TorchDispatchMode):
         before_meta = {id(e): _describe(protected.tensor_of(e)) for e in hit}
         out = func(*args, **kwargs)
         for entry in hit:
-            if facts.kind == "repoint":
-                protected.repointed(entry)
+            if facts.kind != "write":
+                protected.relayout(entry)
             event = self._event(func, facts.kind, entry, site, blocked=False,
                                 before_meta=before_meta[id(entry)])
             if entry.before is not None:  # the next write's diff starts from this value
@@ -93,11 +129,12 @@ class MutationGuardMode(TorchDispatchMode):
             before = before_meta or described
             after = described
             diff = "metadata only: the values were not written" if kind == "metadata" else (
-                "the tensor now refers to other memory")
+                "the tensor now refers to other memory (its values are no longer the guarded ones)")
         return MutationEvent(
             path=entry.path, op=_torch.short_op_name(func), kind=kind, blocked=blocked,
             filename=site.filename, lineno=site.lineno, code=site.code, function=site.function,
             placed_at=entry.placed_at, tensor=described, before=before, after=after, diff=diff,
+            aliases=tuple(entry.aliases), detached=entry.detached,
         )
 
 
@@ -116,6 +153,7 @@ def _is_self_copy(args: Any) -> bool:
     dst, src = args[0], args[1]
     try:
         return (dst.dtype == src.dtype and dst.device == src.device and dst.shape == src.shape
-                and dst.stride() == src.stride() and dst.data_ptr() == src.data_ptr())
+                and dst.stride() == src.stride() and dst.data_ptr() == src.data_ptr()
+                and dst.is_conj() == src.is_conj() and dst.is_neg() == src.is_neg())
     except Exception:  # noqa: BLE001
         return False

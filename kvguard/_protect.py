@@ -18,20 +18,24 @@ from kvguard import _frames, _torch, _tree
 
 
 class Entry:
-    """One protected tensor: its path, memory, placement and (lazily) its first value."""
+    """One protected tensor: its path, memory, placement and (lazily) its last value."""
 
-    __slots__ = ("path", "ref", "spans", "placed_at", "fingerprint", "before", "__weakref__")
+    __slots__ = ("path", "ref", "spans", "placed_at", "fingerprint", "before", "aliases", "detached",
+                 "__weakref__")
 
-    def __init__(self, path: str, tensor: torch.Tensor, ref: weakref.ref, placed_at: Optional[str]) -> None:
+    def __init__(self, path: str, tensor: torch.Tensor, ref: Callable[[], Optional[torch.Tensor]],
+                 placed_at: Optional[str]) -> None:
         self.path = path
         self.ref = ref
         self.spans = _torch.spans(tensor)
         self.placed_at = placed_at
         self.fingerprint = _torch.storage_fingerprint(tensor)
         self.before: Optional[torch.Tensor] = None  # copied on the first write only
+        self.aliases: list[str] = []  # other paths to the same tensor object
+        self.detached = False  # no longer reachable from the guarded object
 
     def refresh(self, tensor: torch.Tensor) -> None:
-        """Re-read the memory after the tensor was re-pointed (`set_`, `resize_`)."""
+        """Re-read the memory and layout after an op changed them (`t_`, `set_`, `resize_`)."""
         self.spans = _torch.spans(tensor)
         self.fingerprint = _torch.storage_fingerprint(tensor)
 
@@ -44,7 +48,10 @@ class ProtectedSet:
         self._entries: dict[int, Entry] = {}
         self._by_identity: dict[int, Entry] = {}  # tensors without readable memory (meta)
         self._index: dict[tuple[str, int], tuple[list[int], list[tuple[int, int, list[Entry]]]]] = {}
-        self._watch: list[tuple[Any, tuple[int, ...]]] = []
+        self._watch = _tree.snapshot([])
+        self._all_starts: list[int] = []
+        self._all_stops: list[int] = []
+        self._max_stop_upto: list[int] = []
         self._dirty = False
         self._scan(frames=None)
 
@@ -60,22 +67,49 @@ class ProtectedSet:
         for key in [k for k, e in self._entries.items() if e.ref() is None]:
             del self._entries[key]
         leaves, containers = _tree.walk(self._root, self._name, _is_tensor, self._keys, self._ignore)
+        reached: dict[int, list[str]] = {}
         for leaf in leaves:
+            paths = reached.setdefault(id(leaf.tensor), [])
+            paths.append(leaf.path)
             known = self._entries.get(id(leaf.tensor))
-            if known is not None and known.ref() is leaf.tensor:
-                continue
-            self._add(leaf, None if frames is None else _placed_at(frames, leaf.chain))
+            if known is None or known.ref() is not leaf.tensor:
+                self._add(leaf, None if frames is None else _placed_at(frames, leaf.chain))
+        for key, entry in self._entries.items():
+            paths = reached.get(key, [])
+            entry.detached = not paths
+            entry.aliases = [p for p in paths if p != entry.path]
         self._watch = _tree.snapshot(containers)
         self._rebuild_index()
 
     def _add(self, leaf: _tree.Leaf, placed_at: Optional[str]) -> None:
         ref = weakref.ref(leaf.tensor, self._on_death)
-        entry = Entry(leaf.path, leaf.tensor, ref, placed_at)
-        self._entries[id(leaf.tensor)] = entry
+        self._entries[id(leaf.tensor)] = Entry(leaf.path, leaf.tensor, ref, placed_at)
 
     def _on_death(self, _: weakref.ref) -> None:
         # The memory may be reused by a new tensor; forget it before the next write.
         self._dirty = True
+
+    def entry_of(self, tensor: torch.Tensor) -> Optional[Entry]:
+        """The entry protecting this very tensor object, if any."""
+        entry = self._entries.get(id(tensor))
+        return entry if entry is not None and entry.ref() is tensor else None
+
+    def release(self, tensors: tuple[torch.Tensor, ...]) -> Callable[[], None]:
+        """Drop our weak references to `tensors` for a moment; returns the undo.
+
+        `torch.utils.swap_tensors` refuses tensors that have weak references.
+        """
+        held = [(e, t) for t in tensors if (e := self.entry_of(t)) is not None]
+        for entry, tensor in held:
+            entry.ref = _Strong(tensor)
+
+        def restore() -> None:
+            for entry, tensor in held:
+                entry.ref = weakref.ref(tensor, self._on_death)
+                entry.refresh(tensor)
+            if held:
+                self._rebuild_index()
+        return restore
 
     # -- lookup ----------------------------------------------------------------------
 
@@ -100,13 +134,32 @@ class ProtectedSet:
                 else:
                     groups.append((start, stop, [entry]))
             self._index[device] = ([g[0] for g in groups], groups)
+        every = sorted((g[0], g[1]) for _, groups in self._index.values() for g in groups)
+        self._all_starts = [start for start, _ in every]
+        self._all_stops = [stop for _, stop in every]
+        running, self._max_stop_upto = 0, []
+        for stop in self._all_stops:
+            running = max(running, stop)
+            self._max_stop_upto.append(running)
 
-    def hits(self, written: torch.Tensor) -> list[Entry]:
-        """Protected entries whose elements share at least one byte with `written`'s."""
+    def hits(self, written: torch.Tensor, kind: str = "write") -> list[Entry]:
+        """Protected entries a write to `written` touches.
+
+        A value write touches an entry when they share at least one byte of element
+        memory (tensors without readable memory, such as meta tensors, by identity). A
+        metadata or re-pointing op touches only the tensor object it changes: `t_` on a
+        view leaves the base's shape alone.
+        """
+        if kind != "write":
+            entry = self.entry_of(written)
+            return [entry] if entry is not None else []
         if self._by_identity:
-            entry = self._by_identity.get(id(written))
-            if entry is not None and entry.ref() is written:
+            entry = self.entry_of(written)
+            if entry is not None and not entry.spans and written.numel() > 0:
                 return [entry]
+        bounds = _torch.storage_bounds(written)
+        if bounds is not None and not self._may_overlap(*bounds):
+            return []
         found: list[Entry] = []
         for span in _torch.spans(written):
             index = self._index.get(span.device)
@@ -122,21 +175,28 @@ class ProtectedSet:
                 i += 1
         return found
 
+    def _may_overlap(self, lo: int, hi: int) -> bool:
+        """Whether `[lo, hi)` meets any protected span on any device (a cheap prefilter)."""
+        i = bisect.bisect_left(self._all_starts, hi) - 1  # the last group starting before `hi`
+        return i >= 0 and self._max_stop_upto[i] > lo
+
     @staticmethod
     def _overlaps(span: _torch.Span, written: torch.Tensor, entry: Entry) -> bool:
         if not any(s.start < span.stop and span.start < s.stop for s in entry.spans):
             return False
-        if span.dense and all(s.dense for s in entry.spans):
-            return True
         tensor = entry.ref()
-        if tensor is None or tensor.layout != torch.strided or written.layout != torch.strided:
-            return tensor is not None
+        if tensor is None:
+            return False
+        if tensor.layout != torch.strided or written.layout != torch.strided:
+            return True  # sparse parts: span overlap is as exact as it gets
+        if _torch.dense(span, written) and all(_torch.dense(s, tensor) for s in entry.spans):
+            return True
         return _torch.elements_overlap(written, tensor)
 
     def tensor_of(self, entry: Entry) -> Optional[torch.Tensor]:
         return entry.ref()  # type: ignore[no-any-return]
 
-    def repointed(self, entry: Entry) -> None:
+    def relayout(self, entry: Entry) -> None:
         tensor = entry.ref()
         if tensor is not None:
             entry.refresh(tensor)
@@ -161,8 +221,20 @@ class ProtectedSet:
         self._entries.clear()
         self._by_identity = {}
         self._index = {}
-        self._watch = []
+        self._watch = _tree.snapshot([])
         self._root = None
+
+
+class _Strong:
+    """Stands in for a weak reference while one must not exist."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __call__(self) -> torch.Tensor:
+        return self.tensor
 
 
 def _is_tensor(obj: Any) -> bool:

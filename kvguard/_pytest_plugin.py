@@ -13,8 +13,8 @@ Opt out with `-p no:kvguard`.
 
 The action comes from, highest first: the marker's `action=` (or `protect(action=...)`),
 `--kvguard`, the `KVGUARD` environment variable (empty counts as unset), the
-`kvguard_action` ini key, then "raise". "off" turns `protect()` and action-less markers
-into no-ops. What each action does to a test:
+`kvguard_action` ini key, then "raise". "off" makes `protect()` and markers without an
+`action=` of their own no-ops. What each action does to a test:
 
 - raise: the write raises `MutationError` inside the test call, so the test FAILS with the
   report as its message; a change only the exit check sees fails the test after the call.
@@ -32,7 +32,8 @@ the stack of dispatch modes stays in order); what its exit check finds is then a
 from __future__ import annotations
 
 import os
-from typing import Any, Collection, Iterator, Optional
+import sys
+from typing import Any, Collection, Generator, Iterator, Optional
 
 import pytest
 
@@ -46,6 +47,7 @@ INI_HELP = "Default for --kvguard: raise, warn, record or off."
 MARKER_HELP = ("kvguard(arg=None, *, action=None, name=None, keys=None, ignore=()): fail the test "
                "when it writes in place to a tensor reachable from the funcarg `arg` (default: "
                "every funcarg holding tensors). See kvguard.guard() for keys and ignore.")
+HEADER = "kvguard: action={action} (from {source})"
 ENV_VAR = "KVGUARD"
 DEFAULT = "raise"
 
@@ -69,10 +71,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _effective_action(config: pytest.Config) -> tuple[str, str]:
     # Lowest first: 1) default, 2) ini, 3) environment, 4) command line (the marker is per test).
+    inifile = config.inipath.name if config.inipath else "the ini file"
     sources = [
         (config.getoption("kvguard"), "--kvguard"),
         (os.environ.get(ENV_VAR), f"the {ENV_VAR} environment variable"),
-        (config.getini("kvguard_action"), f"kvguard_action in {config.inipath or 'the ini file'}"),
+        (config.getini("kvguard_action"), f"kvguard_action in {inifile}"),
     ]
     for value, where in sources:
         if value is not None and str(value).strip():
@@ -81,8 +84,8 @@ def _effective_action(config: pytest.Config) -> tuple[str, str]:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    action, where = config.stash[_SETTING]
-    return f"kvguard: action={action} (from {where})"
+    action, source = config.stash[_SETTING]
+    return HEADER.format(action=action, source=source)
 
 
 class MutationGuardFixture:
@@ -118,13 +121,15 @@ def mutation_guard(request: pytest.FixtureRequest) -> Iterator[MutationGuardFixt
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
     start = len(item.stash.setdefault(_GUARDS, []))
     try:
         _enter_marked(item)
         result = yield
     except BaseException as exc:
         _close(item, start, exc)
+        if isinstance(exc, MutationError):
+            _drop_internal_frames(exc)
         raise
     failures = _close(item, start, None)
     if failures:
@@ -174,8 +179,6 @@ def _enter_marked(item: pytest.Item) -> None:
 
 
 def _holds_tensor(value: Any) -> bool:
-    import sys
-
     torch = sys.modules.get("torch")  # no torch imported yet: no tensors to guard
     if torch is None or not isinstance(value, (dict, list, tuple, torch.Tensor)):
         return False
@@ -189,17 +192,35 @@ def _enter(item: pytest.Item, g: Any) -> None:
     item.stash.setdefault(_GUARDS, []).append(g)
 
 
+def _drop_internal_frames(exc: BaseException) -> None:
+    """End the traceback at the user's write, not in torch's dispatcher and kvguard's mode."""
+    from kvguard._frames import _is_internal
+
+    last_user, tb = None, exc.__traceback__
+    while tb is not None:
+        if not _is_internal(os.path.abspath(tb.tb_frame.f_code.co_filename)):
+            last_user = tb
+        tb = tb.tb_next
+    if last_user is not None:
+        last_user.tb_next = None
+
+
 def _close(item: pytest.Item, start: int, exc: Optional[BaseException]) -> list[str]:
     """Exit the item's guards entered at or after `start`, innermost first; return failures."""
     guards = item.stash.get(_GUARDS, [])
     closing, guards[start:] = guards[start:], []
-    failures = []
+    failures: list[str] = []
+    broken: Optional[BaseException] = None
     for g in reversed(closing):
         try:
             g.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
         except MutationError as err:  # raise mode: a change only the exit check could see
             failures.append(str(err))
-            continue
-        if exc is None and g.action == "record" and not g.report.ok:
-            failures.append(g.report.format())
+        except BaseException as err:  # close the others first, so no dispatch mode leaks
+            broken = broken or err
+        else:
+            if exc is None and g.action == "record" and not g.report.ok:
+                failures.append(g.report.format())
+    if broken is not None:
+        raise broken
     return failures

@@ -22,6 +22,10 @@ HINT = "write to a new tensor (k = k * c) or clone first (k = k.clone())"
 def event_details(ev: MutationEvent) -> list[tuple[str, str]]:
     """The aligned `key  value` lines under an event's headline."""
     rows = [("code", ev.code), ("tensor", ev.tensor)]
+    if ev.aliases:
+        rows.append(("also at", ", ".join(ev.aliases)))
+    if ev.detached:
+        rows.append(("note", "no longer in the guarded object; protected since it was there"))
     if ev.placed_at:
         rows.append(("placed", ev.placed_at))
     if ev.blocked:

@@ -58,4 +58,5 @@ def _print_summary() -> None:
     from kvguard import _ranks
     from kvguard._state import STATE
 
-    sys.stderr.write(STATE.summary(_ranks.rank_tag()) + "\n")
+    if STATE.patched or STATE.events:  # not in launchers (torchrun) that never load a target
+        sys.stderr.write(STATE.summary(_ranks.rank_tag()) + "\n")

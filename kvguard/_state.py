@@ -16,6 +16,7 @@ class State:
     def reset(self) -> None:
         self.settings: Any = None
         self.started = False
+        self.patched: list[str] = []  # targets guarded in this process
         self.guarded_calls = 0
         self.events = 0
         self.sites: set[tuple[str, str, int]] = set()

@@ -6,7 +6,7 @@ pure: it reads schemas and tensor metadata, never tensor values.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -33,6 +33,7 @@ class OpFacts(NamedTuple):
 
     written: tuple[WrittenArg, ...]
     kind: str  # "write", "metadata" (inplace_view) or "repoint" (set_, resize_)
+    self_only: bool = False  # writes exactly its first positional `Tensor` argument
 
 
 NO_WRITES = OpFacts((), "write")
@@ -72,25 +73,31 @@ def _learn(func: Any) -> OpFacts:
         kind = "metadata"
     else:
         kind = "write"
-    return OpFacts(written, kind)
+    self_only = (len(written) == 1 and written[0].index == 0 and not written[0].kwarg_only
+                 and str(schema.arguments[0].type) == "Tensor")
+    return OpFacts(written, kind, self_only)
 
 
-def written_tensors(facts: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+def written_tensors(facts: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors an op call writes, with `Tensor[]` and `Tensor[][]` lists flattened."""
+    if facts.self_only:  # `mul_`, `copy_`, `index_put_`...: the common case, kept cheap
+        first = args[0] if args else kwargs.get("self")
+        return [first] if isinstance(first, torch.Tensor) else []
+    found: list[torch.Tensor] = []
     for arg in facts.written:
         if not arg.kwarg_only and arg.index < len(args):
-            value = args[arg.index]
+            _collect(args[arg.index], found)
         else:
-            value = kwargs.get(arg.name)
-        yield from _tensors_in(value)
+            _collect(kwargs.get(arg.name), found)
+    return found
 
 
-def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+def _collect(value: Any, found: list[torch.Tensor]) -> None:
     if isinstance(value, torch.Tensor):
-        yield value
+        found.append(value)
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from _tensors_in(item)
+            _collect(item, found)
 
 
 def short_op_name(func: Any) -> str:
@@ -105,38 +112,53 @@ def short_op_name(func: Any) -> str:
 class Span(NamedTuple):
     """The bytes a strided tensor can touch: `[start, stop)` on one device."""
 
-    device: tuple[str, int]
+    device: Any  # torch.device
     start: int
     stop: int
-    dense: bool  # its elements cover every byte of the span exactly once
+    dense: Optional[bool]  # elements tile the span exactly; None: not known yet (see `dense`)
+
+
+_STRIDED = torch.strided
 
 
 def spans(t: torch.Tensor) -> list[Span]:
     """Byte spans of a tensor's elements; several for sparse tensors, none without memory.
 
+    On the hot path (every write op), so it reads as little metadata as it can.
     Raises nothing: a tensor whose memory cannot be read (meta, functional wrappers,
     unusual subclasses) has no spans and is matched by identity instead.
     """
     try:
-        layout = t.layout
-        if layout == torch.strided:
-            return [_strided_span(t)] if _has_memory(t) else []
-        return [s for part in _sparse_parts(t) for s in spans(part)]
+        if t.layout != _STRIDED:
+            return [s for part in _sparse_parts(t) for s in spans(part)]
+        start = t.data_ptr()
+        if start == 0:  # meta tensors, and some empty ones
+            return []
+        if t.is_contiguous():
+            nbytes = t.nbytes
+            return [Span(t.device, start, start + nbytes, True)] if nbytes else []
+        if t.numel() == 0:
+            return []
+        # PyTorch strides are never negative, so the first element is at data_ptr.
+        reach = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        return [Span(t.device, start, start + (reach + 1) * t.element_size(), None)]
     except Exception:  # noqa: BLE001 - a guard must never crash on an unusual tensor
         return []
 
 
-def _has_memory(t: torch.Tensor) -> bool:
-    return t.device.type != "meta" and t.numel() > 0 and t.data_ptr() != 0
+def storage_bounds(t: torch.Tensor) -> Optional[tuple[int, int]]:
+    """`[lo, hi)` of the whole storage under `t` (a superset of its elements), if it has one."""
+    try:
+        storage = t.untyped_storage()
+        lo = storage.data_ptr()
+        return (lo, lo + storage.nbytes()) if lo else None
+    except Exception:  # noqa: BLE001 - sparse and other storage-less tensors
+        return None
 
 
-def _strided_span(t: torch.Tensor) -> Span:
-    # PyTorch strides are never negative, so the first element is at data_ptr.
-    size = t.element_size()
-    start = t.data_ptr()
-    reach = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    device = (t.device.type, t.device.index if t.device.index is not None else -1)
-    return Span(device, start, start + (reach + 1) * size, is_dense(t.shape, t.stride()))
+def dense(span: Span, t: torch.Tensor) -> bool:
+    """Whether `t`'s elements tile `span` exactly (computed only on a span overlap)."""
+    return span.dense if span.dense is not None else is_dense(t.shape, t.stride())
 
 
 def is_dense(shape: Any, stride: Any) -> bool:
@@ -185,11 +207,13 @@ def element_starts(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 def elements_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether any byte of an element of `a` is also a byte of an element of `b`."""
-    sa, sb = _strided_span(a), _strided_span(b)
+    (sa,), (sb,) = spans(a) or (None,), spans(b) or (None,)
+    if sa is None or sb is None:
+        return False
     lo, hi = max(sa.start, sb.start), min(sa.stop, sb.stop)
     if sa.device != sb.device or lo >= hi:
         return False
-    if sa.dense and sb.dense:
+    if dense(sa, a) and dense(sb, b):
         return True
     size_a, size_b = a.element_size(), b.element_size()
     starts_a = element_starts(a, lo - size_a + 1, hi)
@@ -216,3 +240,44 @@ def storage_fingerprint(t: torch.Tensor) -> tuple[Any, ...]:
 def dispatch_stack_depth() -> int:
     """How many dispatch modes are active on this thread."""
     return int(torch._C._len_torch_dispatch_stack())
+
+
+# ---------------------------------------------------------------------------------------
+# torch.utils.swap_tensors dispatches nothing, and refuses tensors with weak references
+# (which the protected set holds). While a guard is active the function is wrapped so
+# the guard can report the swap and step its weak references aside.
+
+SwapListener = Callable[[torch.Tensor, torch.Tensor], Callable[[], None]]
+_swap_listeners: list[SwapListener] = []
+_swap_original: Optional[Callable[..., Any]] = None
+SWAP_OP = "torch.utils.swap_tensors"
+
+
+def on_swap_tensors(listener: SwapListener) -> Callable[[], None]:
+    """Call `listener(t1, t2)` before every swap; it returns what to run after. Returns the undo."""
+    global _swap_original
+    if not _swap_listeners:
+        _swap_original = torch.utils.swap_tensors
+        torch.utils.swap_tensors = _swap_tensors
+    _swap_listeners.append(listener)
+
+    def remove() -> None:
+        global _swap_original
+        if listener in _swap_listeners:
+            _swap_listeners.remove(listener)
+        if not _swap_listeners and _swap_original is not None:
+            torch.utils.swap_tensors = _swap_original
+            _swap_original = None
+    return remove
+
+
+def _swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
+    afters: list[Callable[[], None]] = []
+    try:
+        for listener in list(_swap_listeners):
+            afters.append(listener(t1, t2))
+        assert _swap_original is not None
+        _swap_original(t1, t2)
+    finally:
+        for after in reversed(afters):
+            after()

@@ -1,0 +1,172 @@
+"""Env-var activation, end to end: a wheel of kvguard in a fresh venv, real subprocesses.
+
+The wheel is built once per session and pip-installed (without dependencies) into a
+new virtual environment; torch, wrapt and rich come from the test environment through
+a path file, so no multi-GB download is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import sysconfig
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).resolve().parent / "data"
+TARGET = "trainer_loss:compute_advantages_and_returns(rollout_data)"
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(ROOT), "-w", str(out)],
+                   check=True, capture_output=True)
+    (whl,) = out.glob("kvguard-*.whl")
+    return whl
+
+
+@pytest.fixture(scope="session")
+def venv_python(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    home = tmp_path_factory.mktemp("venv")
+    venv.EnvBuilder(with_pip=False).create(home)
+    python = home / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    # Dependencies from this environment; sorts before kvguard.pth, so they are on the path first.
+    (site / "00-test-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
+                    str(wheel)], check=True, capture_output=True)
+    return python
+
+
+def run(python: Path, *args: str, env: dict[str, str] | None = None, cwd: Path = DATA,
+        check_rc: int | None = 0) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD")}
+    base.pop("PYTHONPATH", None)
+    base["PYTHONPATH"] = str(DATA)
+    base["COLUMNS"] = "120"
+    result = subprocess.run([str(python), *args], env={**base, **(env or {})}, cwd=cwd,
+                            capture_output=True, text=True, timeout=180)
+    if check_rc is not None:
+        assert result.returncode == check_rc, result.stdout + result.stderr
+    return result
+
+
+def test_wheel_ships_pth_and_start_files(wheel: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "kvguard.pth" in names and "kvguard.start" in names
+    text = zipfile.ZipFile(wheel).read("kvguard.pth").decode()
+    assert text.count("\n") == 1 and text.startswith("import os")
+
+
+def test_unset_is_inert_and_imports_nothing(venv_python: Path) -> None:
+    result = run(venv_python, "train_script.py")
+    assert "preloaded: \n" in result.stdout  # neither torch, wrapt nor kvguard
+    assert "kl intact: False" in result.stdout  # the bug, unnoticed
+    assert result.stderr == ""
+
+
+def test_zero_is_off(venv_python: Path) -> None:
+    result = run(venv_python, "train_script.py", env={"KVGUARD": "0", "KVGUARD_TARGETS": TARGET})
+    assert "kl intact: False" in result.stdout and result.stderr == ""
+
+
+def test_warn_guards_every_call_and_prints_summary(venv_python: Path) -> None:
+    result = run(venv_python, "train_script.py", env={"KVGUARD": "warn", "KVGUARD_TARGETS": TARGET})
+    assert result.stdout.splitlines()[0] == "preloaded: wrapt,kvguard"  # activation does not import torch
+    assert "kl intact: False" in result.stdout and "train done" in result.stdout
+    assert "rollout_data['kl'][0] was modified in place by aten.mul_.Tensor at trainer_loss.py:10" in result.stderr
+    assert "placed   trainer_loss.py:8" in result.stderr
+    assert "kvguard: 2 guarded calls, 4 events at 2 distinct sites" in result.stderr
+
+
+def test_raise_stops_the_job_with_data_intact(venv_python: Path) -> None:
+    result = run(venv_python, "train_script.py", env={"KVGUARD": "raise", "KVGUARD_TARGETS": TARGET},
+                 check_rc=1)
+    assert "kvguard.MutationError: rollout_data['kl'][0] would be modified in place" in result.stderr
+    assert "kl intact" not in result.stdout
+
+
+def test_method_target(venv_python: Path) -> None:
+    result = run(venv_python, "train_script.py", "--method",
+                 env={"KVGUARD": "record", "KVGUARD_TARGETS": "trainer_loss:Trainer.step(rollout_data)"})
+    assert "kvguard: 1 guarded call, 1 event at 1 distinct site" in result.stderr
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"KVGUARD": "rase"}, "invalid action 'rase' from the KVGUARD environment variable"),
+    ({"KVGUARD": "warn", "KVGUARD_TARGETS": "trainer_loss.compute"},
+     "invalid target 'trainer_loss.compute' in the KVGUARD_TARGETS environment variable"),
+])
+def test_bad_values_give_one_line_and_the_job_runs(venv_python: Path, env: dict[str, str], message: str) -> None:
+    result = run(venv_python, "train_script.py", env=env)
+    assert "train done" in result.stdout
+    lines = [line for line in result.stderr.splitlines() if line.startswith("kvguard")]
+    assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_hook_failure_never_breaks_the_import(venv_python: Path) -> None:
+    result = run(venv_python, "train_script.py",
+                 env={"KVGUARD": "warn", "KVGUARD_TARGETS": "trainer_loss:no_such_fn(rollout_data),"
+                      "trainer_loss:compute_advantages_and_returns(nope)"})
+    assert "train done" in result.stdout
+    assert "kvguard: cannot guard trainer_loss:no_such_fn(rollout_data)" in result.stderr
+    assert "has no parameter 'nope'" in result.stderr
+
+
+def test_report_dir_and_report_command(venv_python: Path, tmp_path: Path) -> None:
+    reports = tmp_path / "reports"
+    run(venv_python, "train_script.py",
+        env={"KVGUARD": "record", "KVGUARD_TARGETS": TARGET, "KVGUARD_REPORT_DIR": str(reports)})
+    lines = (reports / "kvguard-rank0.jsonl").read_text().splitlines()
+    assert len(lines) == 4
+    record = json.loads(lines[0])
+    assert record["path"] == "rollout_data['kl'][0]" and record["op"] == "aten.mul_.Tensor"
+    assert record["target"] == TARGET and record["line"] == 10 and record["code"] == "k *= 0.1"
+    assert {"rank", "world_size", "pid", "host", "time", "placed_at", "before", "after", "diff"} <= set(record)
+    table = run(venv_python, "-m", "kvguard", "report", str(reports), check_rc=1)
+    assert "rollout_data['kl'][0]" in table.stdout and "trainer_loss.py:10" in table.stdout
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    assert "no events" in run(venv_python, "-m", "kvguard", "report", str(clean)).stdout
+    missing = run(venv_python, "-m", "kvguard", "report", str(tmp_path / "nope"), check_rc=2)
+    assert "no kvguard report file or directory" in missing.stderr
+
+
+def test_torchrun_two_ranks_write_per_rank_files(venv_python: Path, tmp_path: Path) -> None:
+    reports = tmp_path / "reports"
+    result = run(venv_python, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                 "--master-port", str(_free_port()), "dist_script.py",
+                 env={"KVGUARD": "warn", "KVGUARD_TARGETS": TARGET, "KVGUARD_REPORT_DIR": str(reports),
+                      "OMP_NUM_THREADS": "1"})
+    for rank in (0, 1):
+        records = [json.loads(line) for line in (reports / f"kvguard-rank{rank}.jsonl").read_text().splitlines()]
+        assert len(records) == 2 and {r["rank"] for r in records} == {rank}
+        assert {r["world_size"] for r in records} == {2}
+        assert f"kvguard [rank {rank}/2]: 1 guarded call, 2 events" in result.stderr
+        assert f"in-place write  rank {rank}/2" in result.stderr
+    table = run(venv_python, "-m", "kvguard", "report", str(reports), check_rc=1)
+    assert "rank 0" in table.stdout and "rank 1" in table.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_run_command_works_from_a_source_checkout(tmp_path: Path) -> None:
+    """`python -m kvguard run` needs no .pth: the editable / source-checkout route."""
+    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{DATA}", "KVGUARD_TARGETS": TARGET}
+    result = run(Path(sys.executable), "-m", "kvguard", "run", "--action", "record", "--",
+                 sys.executable, "train_script.py", env=env)
+    assert "kl intact: False" in result.stdout
+    assert "kvguard: 2 guarded calls, 4 events at 2 distinct sites" in result.stderr
