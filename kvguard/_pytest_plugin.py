@@ -205,13 +205,26 @@ def _drop_internal_frames(exc: BaseException) -> None:
         last_user.tb_next = None
 
 
+def _test_site(item: pytest.Item) -> Any:
+    from kvguard._frames import Site
+
+    function = getattr(item, "function", None)
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return None
+    return Site(code.co_filename, code.co_firstlineno, item.name, f"def {code.co_name}(...)")
+
+
 def _close(item: pytest.Item, start: int, exc: Optional[BaseException]) -> list[str]:
     """Exit the item's guards entered at or after `start`, innermost first; return failures."""
     guards = item.stash.get(_GUARDS, [])
     closing, guards[start:] = guards[start:], []
     failures: list[str] = []
     broken: Optional[BaseException] = None
+    site = _test_site(item)
     for g in reversed(closing):
+        if g.exit_site is None:
+            g.exit_site = site  # the exit check's findings point at the test, not at pluggy
         try:
             g.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
         except MutationError as err:  # raise mode: a change only the exit check could see

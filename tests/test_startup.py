@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = Path(__file__).resolve().parent / "data"
+DATA = ROOT / "examples" / "unchanged_job"
 TARGET = "trainer_loss:compute_advantages_and_returns(rollout_data)"
 
 
@@ -68,19 +68,19 @@ def test_wheel_ships_pth_and_start_files(wheel: Path) -> None:
 
 
 def test_unset_is_inert_and_imports_nothing(venv_python: Path) -> None:
-    result = run(venv_python, "train_script.py")
+    result = run(venv_python, "train.py")
     assert "preloaded: \n" in result.stdout  # neither torch, wrapt nor kvguard
     assert "kl intact: False" in result.stdout  # the bug, unnoticed
     assert result.stderr == ""
 
 
 def test_zero_is_off(venv_python: Path) -> None:
-    result = run(venv_python, "train_script.py", env={"KVGUARD": "0", "KVGUARD_TARGETS": TARGET})
+    result = run(venv_python, "train.py", env={"KVGUARD": "0", "KVGUARD_TARGETS": TARGET})
     assert "kl intact: False" in result.stdout and result.stderr == ""
 
 
 def test_warn_guards_every_call_and_prints_summary(venv_python: Path) -> None:
-    result = run(venv_python, "train_script.py", env={"KVGUARD": "warn", "KVGUARD_TARGETS": TARGET})
+    result = run(venv_python, "train.py", env={"KVGUARD": "warn", "KVGUARD_TARGETS": TARGET})
     assert result.stdout.splitlines()[0] == "preloaded: wrapt,kvguard"  # activation does not import torch
     assert "kl intact: False" in result.stdout and "train done" in result.stdout
     assert "rollout_data['kl'][0] was modified in place by aten.mul_.Tensor at trainer_loss.py:10" in result.stderr
@@ -89,14 +89,14 @@ def test_warn_guards_every_call_and_prints_summary(venv_python: Path) -> None:
 
 
 def test_raise_stops_the_job_with_data_intact(venv_python: Path) -> None:
-    result = run(venv_python, "train_script.py", env={"KVGUARD": "raise", "KVGUARD_TARGETS": TARGET},
+    result = run(venv_python, "train.py", env={"KVGUARD": "raise", "KVGUARD_TARGETS": TARGET},
                  check_rc=1)
     assert "kvguard.MutationError: rollout_data['kl'][0] would be modified in place" in result.stderr
     assert "kl intact" not in result.stdout
 
 
 def test_method_target(venv_python: Path) -> None:
-    result = run(venv_python, "train_script.py", "--method",
+    result = run(venv_python, "train.py", "--method",
                  env={"KVGUARD": "record", "KVGUARD_TARGETS": "trainer_loss:Trainer.step(rollout_data)"})
     assert "kvguard: 1 guarded call, 1 event at 1 distinct site" in result.stderr
 
@@ -107,14 +107,14 @@ def test_method_target(venv_python: Path) -> None:
      "invalid target 'trainer_loss.compute' in the KVGUARD_TARGETS environment variable"),
 ])
 def test_bad_values_give_one_line_and_the_job_runs(venv_python: Path, env: dict[str, str], message: str) -> None:
-    result = run(venv_python, "train_script.py", env=env)
+    result = run(venv_python, "train.py", env=env)
     assert "train done" in result.stdout
     lines = [line for line in result.stderr.splitlines() if line.startswith("kvguard")]
     assert len(lines) == 1 and message in lines[0], result.stderr
 
 
 def test_hook_failure_never_breaks_the_import(venv_python: Path) -> None:
-    result = run(venv_python, "train_script.py",
+    result = run(venv_python, "train.py",
                  env={"KVGUARD": "warn", "KVGUARD_TARGETS": "trainer_loss:no_such_fn(rollout_data),"
                       "trainer_loss:compute_advantages_and_returns(nope)"})
     assert "train done" in result.stdout
@@ -124,7 +124,7 @@ def test_hook_failure_never_breaks_the_import(venv_python: Path) -> None:
 
 def test_report_dir_and_report_command(venv_python: Path, tmp_path: Path) -> None:
     reports = tmp_path / "reports"
-    run(venv_python, "train_script.py",
+    run(venv_python, "train.py",
         env={"KVGUARD": "record", "KVGUARD_TARGETS": TARGET, "KVGUARD_REPORT_DIR": str(reports)})
     lines = (reports / "kvguard-rank0.jsonl").read_text().splitlines()
     assert len(lines) == 4
@@ -144,7 +144,7 @@ def test_report_dir_and_report_command(venv_python: Path, tmp_path: Path) -> Non
 def test_torchrun_two_ranks_write_per_rank_files(venv_python: Path, tmp_path: Path) -> None:
     reports = tmp_path / "reports"
     result = run(venv_python, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                 "--master-port", str(_free_port()), "dist_script.py",
+                 "--master-port", str(_free_port()), "train_dist.py",
                  env={"KVGUARD": "warn", "KVGUARD_TARGETS": TARGET, "KVGUARD_REPORT_DIR": str(reports),
                       "OMP_NUM_THREADS": "1"})
     for rank in (0, 1):
@@ -167,6 +167,6 @@ def test_run_command_works_from_a_source_checkout(tmp_path: Path) -> None:
     """`python -m kvguard run` needs no .pth: the editable / source-checkout route."""
     env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{DATA}", "KVGUARD_TARGETS": TARGET}
     result = run(Path(sys.executable), "-m", "kvguard", "run", "--action", "record", "--",
-                 sys.executable, "train_script.py", env=env)
+                 sys.executable, "train.py", env=env)
     assert "kl intact: False" in result.stdout
     assert "kvguard: 2 guarded calls, 4 events at 2 distinct sites" in result.stderr

@@ -1,4 +1,12 @@
-"""An unchanged training script: reports which modules were loaded before it ran."""
+"""An unchanged training script. Run it with kvguard switched on from the environment:
+
+    KVGUARD=warn KVGUARD_TARGETS="trainer_loss:compute_advantages_and_returns(rollout_data)" \\
+        KVGUARD_REPORT_DIR=kvguard-reports python train.py
+    python -m kvguard report kvguard-reports
+
+Its first line shows which of torch, wrapt and kvguard were imported before the script
+ran: nothing when KVGUARD is unset.
+"""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""A stand-in RL trainer module: mutates the logged KL in place (the motivating bug)."""
+"""An RL trainer's loss module with the in-place KL bug. Nothing here knows about kvguard."""
 
 import torch
 
