@@ -99,6 +99,19 @@ def micro(rollout: dict[str, Any], n_ops: int) -> torch.Tensor:
     return t
 
 
+def reads(rollout: dict[str, Any], n_ops: int) -> torch.Tensor:
+    """`n_ops` out-of-place ops on protected data: mul, add, mul, sub. Nothing is written."""
+    x = rollout["log_probs"][0]
+    y = rollout["ref_log_probs"][1]
+    t = x
+    for _ in range(n_ops // 4):
+        t = x * y
+        t = t + y
+        t = t * 0.5
+        t = t - x
+    return t
+
+
 def gae(rollout: dict[str, Any], gamma: float = 0.99, lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token GAE as RL trainers write it, then masked whitening. Writes only `adv`."""
     r = torch.stack(rollout["rewards"])
@@ -129,6 +142,7 @@ def workloads(quick: bool, samples: int = BATCH) -> dict[str, tuple[Callable[[di
     seq = 256 if quick else SEQ
     n_ops = 4_000 if quick else 20_000
     return {
+        "reads": (lambda d: reads(d, n_ops), make_rollout(samples, SEQ)),
         "micro": (lambda d: micro(d, n_ops), make_rollout(samples, SEQ)),
         "gae": (gae, make_rollout(samples, seq)),
     }

@@ -72,23 +72,19 @@ class MutationGuardMode(TorchDispatchMode):
         return after
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        facts = _facts_cache.get(func)
-        if facts is None:
-            facts = _op_facts(func)
+        cached = _facts_cache.get(id(func))
+        facts = cached[1] if cached is not None else _op_facts(func)
         if not facts.written:
             return func(*args, **(kwargs or {}))
         return self._on_write(func, facts, args, kwargs or {})
 
     def _on_write(self, func: Any, facts: _torch.OpFacts, args: Any, kwargs: dict[str, Any]) -> Any:
         protected = self.protected
-        protected.refresh()
-        written = _torch.written_tensors(facts, args, kwargs)
-        if len(written) == 1:
-            hit = protected.hits(written[0], facts.kind)
+        if facts.self_only and args:
+            written = (args[0],)
         else:
-            hit = []
-            for tensor in written:
-                hit += [e for e in protected.hits(tensor, facts.kind) if e not in hit]
+            written = _torch.written_tensors(facts, args, kwargs)
+        hit = protected.written_entries(written, facts.kind)
         if not hit or (func is _COPY and _is_self_copy(args)):
             return func(*args, **kwargs)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import sys
 import weakref
-from typing import Any, Callable, Collection, Optional
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
 
@@ -57,10 +57,33 @@ class ProtectedSet:
 
     # -- placement -------------------------------------------------------------------
 
-    def refresh(self) -> None:
-        """Protect tensors placed since the last call. Cheap when nothing moved."""
+    def written_entries(self, written: Sequence[torch.Tensor], kind: str) -> list[Entry]:
+        """The entries any of `written` touches, after protecting newly placed tensors.
+
+        Runs for every op that writes anything, protected or not, so it stays flat: the
+        placement check compares the watched containers in C, and a write whose whole
+        storage misses every protected span returns at once.
+        """
         if self._dirty or _tree.changed(self._watch):
             self._scan(frames=list(_frames.user_frames(sys._getframe(1))))
+        if kind == "write" and not self._by_identity:
+            starts, max_stop = self._all_starts, self._max_stop_upto
+            for tensor in written:
+                try:
+                    storage = tensor.untyped_storage()
+                    lo = storage.data_ptr()
+                    hi = lo + storage.nbytes()
+                except Exception:  # noqa: BLE001 - sparse and other storage-less tensors
+                    break
+                i = bisect.bisect_left(starts, hi) - 1
+                if lo == 0 or (i >= 0 and max_stop[i] > lo):
+                    break  # may touch protected memory: look closely
+            else:
+                return []
+        found: list[Entry] = []
+        for tensor in written:
+            found += [e for e in self.hits(tensor, kind) if e not in found]
+        return found
 
     def _scan(self, frames: Optional[list[Any]]) -> None:
         self._dirty = False
@@ -157,9 +180,6 @@ class ProtectedSet:
             entry = self.entry_of(written)
             if entry is not None and not entry.spans and written.numel() > 0:
                 return [entry]
-        bounds = _torch.storage_bounds(written)
-        if bounds is not None and not self._may_overlap(*bounds):
-            return []
         found: list[Entry] = []
         for span in _torch.spans(written):
             index = self._index.get(span.device)
@@ -174,11 +194,6 @@ class ProtectedSet:
                             found.append(entry)
                 i += 1
         return found
-
-    def _may_overlap(self, lo: int, hi: int) -> bool:
-        """Whether `[lo, hi)` meets any protected span on any device (a cheap prefilter)."""
-        i = bisect.bisect_left(self._all_starts, hi) - 1  # the last group starting before `hi`
-        return i >= 0 and self._max_stop_upto[i] > lo
 
     @staticmethod
     def _overlaps(span: _torch.Span, written: torch.Tensor, entry: Entry) -> bool:

@@ -37,15 +37,17 @@ class OpFacts(NamedTuple):
 
 
 NO_WRITES = OpFacts((), "write")
-_facts_cache: dict[Any, OpFacts] = {}
+# Keyed by id(): OpOverload hashes in Python, and this lookup runs for every op. The
+# overload is kept in the value, so an id can never be reused while it is cached.
+_facts_cache: dict[int, tuple[Any, OpFacts]] = {}
 
 
 def op_facts(func: Any) -> OpFacts:
     """Which arguments `func` writes, from its schema (cached per overload)."""
-    facts = _facts_cache.get(func)
-    if facts is None:
-        facts = _facts_cache[func] = _learn(func)
-    return facts
+    cached = _facts_cache.get(id(func))
+    if cached is None:
+        cached = _facts_cache[id(func)] = (func, _learn(func))
+    return cached[1]
 
 
 def _learn(func: Any) -> OpFacts:
@@ -144,16 +146,6 @@ def spans(t: torch.Tensor) -> list[Span]:
         return [Span(t.device, start, start + (reach + 1) * t.element_size(), None)]
     except Exception:  # noqa: BLE001 - a guard must never crash on an unusual tensor
         return []
-
-
-def storage_bounds(t: torch.Tensor) -> Optional[tuple[int, int]]:
-    """`[lo, hi)` of the whole storage under `t` (a superset of its elements), if it has one."""
-    try:
-        storage = t.untyped_storage()
-        lo = storage.data_ptr()
-        return (lo, lo + storage.nbytes()) if lo else None
-    except Exception:  # noqa: BLE001 - sparse and other storage-less tensors
-        return None
 
 
 def dense(span: Span, t: torch.Tensor) -> bool:
