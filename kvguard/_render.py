@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from kvguard._events import GuardReport, MutationEvent
 
 MAX_EVENT_CHARS = 3000  # leaves room for a panel's frame and a rank tag under 4 KiB
+MAX_VALUE_CHARS = 400  # one detail line of a panel
+MAX_WRITE_BYTES = 4000  # a pipe write up to PIPE_BUF (4 KiB) is atomic on Linux
 MAX_EVENTS_SHOWN = 20
 HINT = "write to a new tensor (k = k * c) or clone first (k = k.clone())"
 
@@ -43,6 +45,10 @@ def format_event(ev: MutationEvent) -> str:
     return _clip("\n".join(lines))
 
 
+def _clip_value(text: str) -> str:
+    return text if len(text) <= MAX_VALUE_CHARS else text[: MAX_VALUE_CHARS - 2] + " …"
+
+
 def format_report(report: GuardReport) -> str:
     if report.ok:
         return f"kvguard: no in-place writes to the tensors protected in {report.name}"
@@ -69,13 +75,13 @@ def rich_event(ev: MutationEvent, tag: str = "") -> Any:
     table.add_column(style="bold cyan", no_wrap=True)
     table.add_column(overflow="fold")
     for key, value in event_details(ev):
-        table.add_row(key, Text(_clip(value)))  # Text: user code is not rich markup
+        table.add_row(key, Text(_clip_value(value)))  # Text: user code is not rich markup
     title = "kvguard: in-place write blocked" if ev.blocked else "kvguard: in-place write"
     if tag:
         title += f"  {tag}"
     from rich.console import Group
 
-    headline = Text(ev.headline(), style="bold red" if ev.blocked else "bold yellow")
+    headline = Text(_clip_value(ev.headline()), style="bold red" if ev.blocked else "bold yellow")
     return Panel(Group(headline, table), title=title, title_align="left", expand=False)
 
 
@@ -103,7 +109,12 @@ def print_event(ev: MutationEvent, tag: str = "", file: Any = None) -> None:
     console = Console(file=buffer, width=width, force_terminal=isatty, color_system="auto" if isatty else None,
                       soft_wrap=False)
     console.print(rich_event(ev, tag))
-    out.write(buffer.getvalue())
+    text = buffer.getvalue()
+    if len(text.encode()) > MAX_WRITE_BYTES:  # too big for one atomic write: plain text
+        text = (f"kvguard [{tag}]: " if tag else "kvguard: ") + format_event(ev) + "\n"
+        raw = text.encode()[: MAX_WRITE_BYTES - 8]
+        text = raw.decode(errors="ignore") + (" …\n" if len(raw) < len(text.encode()) else "")
+    out.write(text)
     out.flush()
 
 
