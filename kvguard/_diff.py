@@ -51,14 +51,28 @@ def advance(before: torch.Tensor, t: Optional[torch.Tensor]) -> Optional[torch.T
         return snapshot(t)
 
 
-def values(t: torch.Tensor) -> str:
-    """The first few values, `[0.125, -0.5, 0.3, 1 … (+1020)]`."""
+def values(t: torch.Tensor, around: int = 0) -> str:
+    """A few values from flat index `around` on: `[0.125, -0.5, 0.3, 1 … (+1020)]`."""
     if not _readable(t):
         return describe(t)
     flat = t.detach().reshape(-1)
-    shown = ", ".join(_fmt(v) for v in flat[:SHOW_VALUES].tolist())
-    more = f" … (+{flat.numel() - SHOW_VALUES})" if flat.numel() > SHOW_VALUES else ""
-    return f"[{shown}{more}]"
+    start = max(0, min(around, flat.numel() - SHOW_VALUES))
+    shown = ", ".join(_fmt(v) for v in flat[start:start + SHOW_VALUES].tolist())
+    head = f"(+{start}) … " if start else ""
+    rest = flat.numel() - start - SHOW_VALUES
+    return f"[{head}{shown}{f' … (+{rest})' if rest > 0 else ''}]"
+
+
+def first_change(before: Optional[torch.Tensor], t: torch.Tensor) -> int:
+    """The flat index of the first element that differs from `before` (0 if none)."""
+    if before is None or not _readable(t):
+        return 0
+    with torch.no_grad():
+        after = t.detach().reshape(-1)[: before.numel()]
+        if after.shape != before.shape or after.dtype != before.dtype:
+            return 0
+        idx = (before != after).nonzero()
+        return int(idx[0, 0]) if idx.numel() else 0
 
 
 def diff(before: Optional[torch.Tensor], t: torch.Tensor) -> str:

@@ -118,8 +118,10 @@ class MutationGuardMode(TorchDispatchMode):
             after = None
             diff = "not applied: raised before the write, the data is intact"
         elif kind == "write":
-            before = _diff.values(entry.before) if entry.before is not None else described
-            after = _values(tensor)
+            # Show the values where this write starts changing them, not just the first few.
+            first = _diff.first_change(entry.before, tensor) if tensor is not None else 0
+            before = _diff.values(entry.before, first) if entry.before is not None else described
+            after = _diff.values(tensor, first) if tensor is not None else "<freed>"
             diff = _diff.diff(entry.before, tensor) if tensor is not None and self.diff else ""
         else:
             before = before_meta or described
