@@ -29,10 +29,10 @@ def make_env(home: Path, wheel: Path | None) -> Path:
     python = home / "bin" / "python"
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
-    Path(site, "00-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     if wheel is not None:
         subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
-                        str(wheel)], check=True, capture_output=True)
+                        "--ignore-installed", str(wheel)], check=True, capture_output=True)
+    Path(site, "00-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")  # after: pip must not see them
     return python
 
 

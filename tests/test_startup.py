@@ -40,10 +40,12 @@ def venv_python(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     python = home / "bin" / "python"
     site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                check=True, capture_output=True, text=True).stdout.strip())
-    # Dependencies from this environment; sorts before kvguard.pth, so they are on the path first.
-    (site / "00-test-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
-                    str(wheel)], check=True, capture_output=True)
+                    "--ignore-installed", str(wheel)], check=True, capture_output=True)
+    # Dependencies from this environment, added after the install (pip must not see the
+    # kvguard this environment may hold); sorts before kvguard.pth, so it is on the path first.
+    (site / "00-test-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    assert (site / "kvguard.pth").exists() and (site / "kvguard" / "__init__.py").exists()
     return python
 
 
