@@ -20,9 +20,10 @@ SCRIPT = ROOT / "benchmarks" / "bench_overhead.py"
 # Deliberately looser than the 1.15 budget: CI runners and this 2-core shared box are
 # noisy (other processes, frequency changes, few repetitions to keep the suite fast), and
 # a quick run has smaller workloads, so the fixed cost of entering a guard weighs more.
-# This catches a hot-path regression (a stack capture, an O(n) scan per op), not a few
-# percent; the 1.15 figure is checked by the full benchmark run.
-CI_BOUND = 1.5
+# A quick run of the write-heavy `micro` loop measured 1.2-1.55 on this box. The bound
+# catches a hot-path regression (a stack capture or an O(tensors) scan per op costs 3x and
+# more), not a few percent; the 1.15 figure is the full benchmark's (benchmarks/README.md).
+CI_BOUND = 2.0
 
 
 def _load_bench():
