@@ -29,9 +29,9 @@ def _internal_prefixes() -> tuple[str, ...]:
         _skip_has_torch = "torch" in sys.modules
         dirs = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
         for name in ("torch", "wrapt", "typing_extensions"):
-            module = sys.modules.get(name)
-            if module is not None and getattr(module, "__file__", None):
-                path = os.path.abspath(module.__file__)
+            file = getattr(sys.modules.get(name), "__file__", None)
+            if file:
+                path = os.path.abspath(file)
                 dirs.append(os.path.dirname(path) + os.sep if path.endswith("__init__.py") else path)
         _skip_prefixes = tuple(dirs)
     return _skip_prefixes
@@ -49,7 +49,7 @@ def _is_internal(filename: str) -> bool:
 
 def user_frames(start: Optional[types.FrameType] = None) -> Iterator[types.FrameType]:
     """Frames outside torch, kvguard and wrapt, innermost first."""
-    frame = start if start is not None else sys._getframe(1)
+    frame: Optional[types.FrameType] = start if start is not None else sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
         if not _is_internal(filename if os.path.isabs(filename) else os.path.abspath(filename)):
@@ -204,10 +204,13 @@ def _constant(node: Optional[ast.AST]) -> Any:
 def _defines(node: ast.AST, code: types.CodeType) -> bool:
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
         return False
-    if node.lineno == code.co_firstlineno:
-        return getattr(node, "name", code.co_name) == code.co_name or isinstance(node, ast.Lambda)
-    decorators = getattr(node, "decorator_list", [])
-    return bool(decorators) and decorators[0].lineno == code.co_firstlineno and node.name == code.co_name
+    if isinstance(node, ast.Lambda):
+        return node.lineno == code.co_firstlineno and code.co_name == "<lambda>"
+    if node.name != code.co_name:
+        return False
+    # co_firstlineno is the first decorator's line when there are decorators
+    first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+    return code.co_firstlineno in (node.lineno, first)
 
 
 def _parse(filename: str) -> Optional[ast.Module]:

@@ -9,7 +9,7 @@ import functools
 import inspect
 import sys
 import warnings
-from typing import Any, Callable, Collection, Optional, TypeVar
+from typing import Any, Callable, Collection, Literal, Optional, TypeVar
 
 from kvguard import _frames, _ranks, _render
 from kvguard._errors import ConfigError, MutationError, MutationWarning
@@ -57,7 +57,7 @@ class Guard:
         self._mode.__enter__()
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         try:
             self._mode.__exit__(exc_type, exc, tb)
         finally:

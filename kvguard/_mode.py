@@ -8,7 +8,7 @@ callback runs before the op, so raising there leaves the data intact.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -31,7 +31,7 @@ class MutationGuardMode(TorchDispatchMode):
 
     def __init__(self, protected: ProtectedSet, on_event: Callable[[MutationEvent], None],
                  block: bool, diff: bool = True) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.protected = protected
         self.on_event = on_event
         self.block = block
@@ -40,14 +40,14 @@ class MutationGuardMode(TorchDispatchMode):
     def __enter__(self) -> MutationGuardMode:
         self._unhook_swap = _torch.on_swap_tensors(self._on_swap)
         try:
-            return super().__enter__()  # type: ignore[no-any-return]
+            return super().__enter__()  # type: ignore[no-untyped-call,no-any-return]
         except BaseException:
             self._unhook_swap()
             raise
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            super().__exit__(*exc)
+            super().__exit__(*exc)  # type: ignore[no-untyped-call]
         finally:
             self._unhook_swap()
 
@@ -80,6 +80,7 @@ class MutationGuardMode(TorchDispatchMode):
 
     def _on_write(self, func: Any, facts: _torch.OpFacts, args: Any, kwargs: dict[str, Any]) -> Any:
         protected = self.protected
+        written: Sequence[torch.Tensor]
         if facts.self_only and args:
             written = (args[0],)
         else:
@@ -150,7 +151,7 @@ def _is_self_copy(args: Any) -> bool:
         return False
     dst, src = args[0], args[1]
     try:
-        return (dst.dtype == src.dtype and dst.device == src.device and dst.shape == src.shape
+        return bool(dst.dtype == src.dtype and dst.device == src.device and dst.shape == src.shape
                 and dst.stride() == src.stride() and dst.data_ptr() == src.data_ptr()
                 and dst.is_conj() == src.is_conj() and dst.is_neg() == src.is_neg())
     except Exception:  # noqa: BLE001

@@ -108,7 +108,7 @@ class ProtectedSet:
         ref = weakref.ref(leaf.tensor, self._on_death)
         self._entries[id(leaf.tensor)] = Entry(leaf.path, leaf.tensor, ref, placed_at)
 
-    def _on_death(self, _: weakref.ref) -> None:
+    def _on_death(self, _: Any) -> None:
         # The memory may be reused by a new tensor; forget it before the next write.
         self._dirty = True
 
@@ -209,7 +209,7 @@ class ProtectedSet:
         return _torch.elements_overlap(written, tensor)
 
     def tensor_of(self, entry: Entry) -> Optional[torch.Tensor]:
-        return entry.ref()  # type: ignore[no-any-return]
+        return entry.ref()
 
     def relayout(self, entry: Entry) -> None:
         tensor = entry.ref()

@@ -23,7 +23,7 @@ _REPOINTING_OPS = frozenset({"set_", "resize_", "resize_as_", "resize_as_sparse_
 class WrittenArg(NamedTuple):
     """A parameter an op writes: its position, its name, and whether it is keyword-only."""
 
-    index: int
+    position: int
     name: str
     kwarg_only: bool
 
@@ -75,7 +75,7 @@ def _learn(func: Any) -> OpFacts:
         kind = "metadata"
     else:
         kind = "write"
-    self_only = (len(written) == 1 and written[0].index == 0 and not written[0].kwarg_only
+    self_only = (len(written) == 1 and written[0].position == 0 and not written[0].kwarg_only
                  and str(schema.arguments[0].type) == "Tensor")
     return OpFacts(written, kind, self_only)
 
@@ -87,8 +87,8 @@ def written_tensors(facts: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any
         return [first] if isinstance(first, torch.Tensor) else []
     found: list[torch.Tensor] = []
     for arg in facts.written:
-        if not arg.kwarg_only and arg.index < len(args):
-            _collect(args[arg.index], found)
+        if not arg.kwarg_only and arg.position < len(args):
+            _collect(args[arg.position], found)
         else:
             _collect(kwargs.get(arg.name), found)
     return found
@@ -194,7 +194,8 @@ def element_starts(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         step = torch.arange(n, dtype=torch.int64) * (s * size)
         offsets = (offsets[:, None] + step[None, :]).reshape(-1)
         offsets = offsets[(offsets + reach_after[i + 1] + size > lo) & (offsets < hi)]
-    return torch.unique(offsets[(offsets + size > lo) & (offsets < hi)])
+    result: torch.Tensor = torch.unique(offsets[(offsets + size > lo) & (offsets < hi)])
+    return result
 
 
 def elements_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

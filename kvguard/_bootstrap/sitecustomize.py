@@ -18,7 +18,7 @@ _saved = list(sys.path)
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 del sys.modules["sitecustomize"]
 try:
-    import sitecustomize  # noqa: F401 - the next one on the path, if any
+    import sitecustomize  # type: ignore[import-not-found]  # noqa: F401 - the next one on the path
 except ImportError:
     pass
 finally:
