@@ -58,6 +58,12 @@ class Guard:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
+        from kvguard import _torch
+
+        if _torch.innermost_dispatch_mode() is not self._mode:
+            # Popping now would pop someone else's mode (torch pops the innermost).
+            raise RuntimeError(f"{self!r} exited while another dispatch mode entered after it is "
+                               "still active; exit guards and modes in reverse order of entry")
         try:
             self._mode.__exit__(exc_type, exc, tb)
         finally:

@@ -30,12 +30,11 @@ class MutationGuardMode(TorchDispatchMode):
     """
 
     def __init__(self, protected: ProtectedSet, on_event: Callable[[MutationEvent], None],
-                 block: bool, diff: bool = True) -> None:
+                 block: bool) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.protected = protected
         self.on_event = on_event
         self.block = block
-        self.diff = diff
 
     def __enter__(self) -> MutationGuardMode:
         self._unhook_swap = _torch.on_swap_tensors(self._on_swap)
@@ -96,15 +95,16 @@ class MutationGuardMode(TorchDispatchMode):
             # The callback chose not to stop the write: fall through and report it.
         for entry in hit:
             tensor = protected.tensor_of(entry)
-            if self.diff and entry.before is None and tensor is not None and facts.kind == "write":
+            if entry.before is None and tensor is not None and facts.kind == "write":
                 entry.before = _diff.snapshot(tensor)
-        before_meta = {id(e): _describe(protected.tensor_of(e)) for e in hit}
+        before_meta = {} if facts.kind == "write" else {
+            id(e): _describe(protected.tensor_of(e)) for e in hit}
         out = func(*args, **kwargs)
         for entry in hit:
             if facts.kind != "write":
                 protected.relayout(entry)
             event = self._event(func, facts.kind, entry, site, blocked=False,
-                                before_meta=before_meta[id(entry)])
+                                before_meta=before_meta.get(id(entry)))
             if entry.before is not None:  # the next write's diff starts from this value
                 entry.before = _diff.advance(entry.before, protected.tensor_of(entry))
             self.on_event(event)
@@ -123,7 +123,7 @@ class MutationGuardMode(TorchDispatchMode):
             first = _diff.first_change(entry.before, tensor) if tensor is not None else 0
             before = _diff.values(entry.before, first) if entry.before is not None else described
             after = _diff.values(tensor, first) if tensor is not None else "<freed>"
-            diff = _diff.diff(entry.before, tensor) if tensor is not None and self.diff else ""
+            diff = _diff.diff(entry.before, tensor) if tensor is not None else ""
         else:
             before = before_meta or described
             after = described

@@ -230,6 +230,13 @@ def storage_fingerprint(t: torch.Tensor) -> tuple[Any, ...]:
         return (id(t),)
 
 
+def innermost_dispatch_mode() -> Any:
+    """The dispatch mode that ops on this thread reach first, or None."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode()
+
+
 def dispatch_stack_depth() -> int:
     """How many dispatch modes are active on this thread."""
     return int(torch._C._len_torch_dispatch_stack())

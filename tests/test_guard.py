@@ -862,3 +862,15 @@ def test_metadata_write_in_warn_mode_is_one_warning_and_no_exit_duplicate(capsys
     assert len(record) == 1
     assert [(e.kind, e.op) for e in g.report.events] == [("metadata", "aten.t_.default")]
     capsys.readouterr()
+
+
+def test_guards_exited_out_of_order_refuse_instead_of_popping_another_mode() -> None:
+    a, b = {"x": torch.ones(2)}, {"y": torch.ones(2)}
+    outer, inner = kvguard.guard(a, name="a"), kvguard.guard(b, name="b")
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(RuntimeError, match="reverse order of entry"):
+        outer.__exit__(None, None, None)
+    inner.__exit__(None, None, None)
+    outer.__exit__(None, None, None)
+    assert torch._C._len_torch_dispatch_stack() == 0
