@@ -72,11 +72,15 @@ class Guard:
             self._protected = self._mode = None
             self.obj = None
         for event in unobserved:
-            self._on_event(event, at_exit=exc_type is not None)
+            self._on_event(event, at_exit=True)
+        if unobserved and self.action == "raise" and exc_type is None:
+            # Too late to stop the change, but a raise guard must not end quietly. An
+            # exception already leaving the block is never masked.
+            raise MutationError(_render.format_event(unobserved[0]), unobserved[0], self.report)
         return False
 
     def _exit_check(self) -> list[MutationEvent]:
-        """Writes no op reported: the tensor was re-pointed or swapped behind the mode."""
+        """Changes no op reported: a protected tensor re-pointed behind the mode's back."""
         moved = self._protected.changed_behind_our_back()
         if not moved:
             return []
@@ -90,7 +94,7 @@ class Guard:
                 filename=site.filename, lineno=site.lineno, code=site.code, function=site.function,
                 placed_at=entry.placed_at, tensor=_diff.describe(tensor), before=_fingerprint_text(old),
                 after=_fingerprint_text(_fingerprint(tensor)),
-                diff="identity or memory changed (k.data = ..., swap_tensors, or a kernel the guard cannot see)",
+                diff="identity or memory changed with no dispatched op (k.data = ..., or code the guard cannot see)",
             ))
         return events
 

@@ -1,8 +1,9 @@
 """The protected set: which memory belongs to which guarded entry, since when.
 
-Holds protected tensors only through weak references, so a guard never extends a
-tensor's life. Containers of the guarded object are held (and compared by identity)
-so that a tensor placed into them is protected from that moment on.
+Entries hold their tensors through weak references. To notice placements, the guard
+keeps the guarded object's containers and what they held at its last look (compared
+by identity before every write op), so a value removed from the dict is let go at the
+next look, and a tensor placed into it is protected from that moment on.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class ProtectedSet:
         self._root, self._name, self._keys, self._ignore = root, name, keys, ignore
         self._entries: dict[int, Entry] = {}
         self._by_identity: dict[int, Entry] = {}  # tensors without readable memory (meta)
-        self._index: dict[tuple[str, int], tuple[list[int], list[tuple[int, int, list[Entry]]]]] = {}
+        # per device: group starts, and disjoint (start, stop, entries) groups sorted by start
+        self._index: dict[Any, tuple[list[int], list[tuple[int, int, list[Entry]]]]] = {}
         self._watch = _tree.snapshot([])
         self._all_starts: list[int] = []
         self._all_stops: list[int] = []
@@ -137,7 +139,7 @@ class ProtectedSet:
     # -- lookup ----------------------------------------------------------------------
 
     def _rebuild_index(self) -> None:
-        per_device: dict[tuple[str, int], list[tuple[int, int, Entry]]] = {}
+        per_device: dict[Any, list[tuple[int, int, Entry]]] = {}
         self._by_identity = {}
         for key, entry in self._entries.items():
             if not entry.spans:
