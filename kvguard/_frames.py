@@ -73,6 +73,11 @@ class Site(NamedTuple):
 UNKNOWN_SITE = Site("<unknown>", 0, "<unknown>", "")
 
 
+def user_site() -> Site:
+    """Where the user's code is now: the innermost frame outside torch, kvguard and wrapt."""
+    return site_of(next(user_frames(sys._getframe(1)), None))
+
+
 def site_of(frame: Optional[types.FrameType]) -> Site:
     if frame is None:
         return UNKNOWN_SITE

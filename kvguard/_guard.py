@@ -86,7 +86,7 @@ class Guard:
             return []
         from kvguard import _diff
 
-        site = self.exit_site or _frames.site_of(next(_frames.user_frames(sys._getframe(1)), None))
+        site = self.exit_site or _frames.user_site()
         events = []
         for entry, tensor, old in moved:
             events.append(MutationEvent(
@@ -187,16 +187,20 @@ def _check_action(action: Any) -> str:
     return str(action)
 
 
-def _check_target(obj: Any) -> None:
+def guardable(obj: Any) -> bool:
+    """Whether `obj` is something a guard protects: a dict, list, tuple or tensor."""
     if isinstance(obj, (dict, list, tuple)):
-        return
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.Tensor):
-        return
-    raise TypeError(
-        f"kvguard.guard() protects a dict, list, tuple or tensor (nested at any depth); "
-        f"got {type(obj).__name__}"
-    )
+        return True
+    torch = sys.modules.get("torch")  # no torch imported: obj cannot be a tensor
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def _check_target(obj: Any) -> None:
+    if not guardable(obj):
+        raise TypeError(
+            f"kvguard.guard() protects a dict, list, tuple or tensor (nested at any depth); "
+            f"got {type(obj).__name__}"
+        )
 
 
 def _as_keys(keys: Any, what: str) -> Optional[tuple[Any, ...]]:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Optional
 import wrapt
 
 from kvguard._config import Target
-from kvguard._guard import Guard
+from kvguard._guard import Guard, guardable
 from kvguard._state import STATE
 
 _MARK = "__kvguard_target__"
@@ -59,7 +59,7 @@ def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: An
             value = inspect.signature(wrapped).bind_partial(*args, **kwargs).arguments.get(target.argname)
         except TypeError:
             value = None  # let the call itself report the bad arguments
-        if not _guardable(value):
+        if not guardable(value):
             return wrapped(*args, **kwargs)
         STATE.guarded_calls += 1
         g = Guard(value, name=target.argname, action=action, keys=keys, ignore=ignore)
@@ -98,9 +98,3 @@ def _restore(owner: Any, attr: str, original: Any, rebound: list[tuple[Any, str]
     for module, name in rebound:
         setattr(module, name, unwrapped)
 
-
-def _guardable(value: Any) -> bool:
-    if isinstance(value, (dict, list, tuple)):
-        return True
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)

@@ -7,7 +7,6 @@ callback runs before the op, so raising there leaves the data intact.
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -56,7 +55,7 @@ class MutationGuardMode(TorchDispatchMode):
         hit = [e for e in (protected.entry_of(t1), protected.entry_of(t2)) if e is not None]
         if not hit:
             return lambda: None
-        site = _frames.site_of(next(_frames.user_frames(sys._getframe(1)), None))
+        site = _frames.user_site()
         before = {id(e): _describe(protected.tensor_of(e)) for e in hit}
         if self.block:
             for entry in hit:
@@ -88,7 +87,7 @@ class MutationGuardMode(TorchDispatchMode):
         if not hit or (func is _COPY and _is_self_copy(args)):
             return func(*args, **kwargs)
 
-        site = _frames.site_of(next(_frames.user_frames(sys._getframe(1)), None))
+        site = _frames.user_site()
         if self.block:
             for entry in hit:
                 self.on_event(self._event(func, facts.kind, entry, site, blocked=True))

@@ -179,11 +179,12 @@ def _enter_marked(item: pytest.Item) -> None:
 
 
 def _holds_tensor(value: Any) -> bool:
-    torch = sys.modules.get("torch")  # no torch imported yet: no tensors to guard
-    if torch is None or not isinstance(value, (dict, list, tuple, torch.Tensor)):
-        return False
+    from kvguard._guard import guardable
     from kvguard._tree import walk
 
+    torch = sys.modules.get("torch")  # not imported yet: no tensors to guard
+    if torch is None or not guardable(value):
+        return False
     return bool(walk(value, "x", lambda v: isinstance(v, torch.Tensor))[0])
 
 
