@@ -64,7 +64,7 @@ def parse_action(value: str, source: str) -> str:
 
 def parse_targets(value: str, source: str = "the KVGUARD_TARGETS environment variable") -> tuple[Target, ...]:
     targets = []
-    for item in _split_top_level(value):
+    for item in filter(str.strip, value.split(",")):
         match = _TARGET.match(item)
         if match is None:
             raise ConfigError(
@@ -73,10 +73,6 @@ def parse_targets(value: str, source: str = "the KVGUARD_TARGETS environment var
             )
         targets.append(Target(*match.groups()))
     return tuple(targets)
-
-
-def _split_top_level(value: str) -> list[str]:
-    return [item for item in value.split(",") if item.strip()]
 
 
 def _keys(value: Optional[str]) -> Optional[tuple[str, ...]]:
