@@ -1,9 +1,10 @@
-"""Ships `kvguard.pth` and `kvguard.start` at the root of the wheel (site-packages)."""
+"""Ships `kvguard.pth` and `kvguard.start` at the root of the wheel (site-packages), and
+builds the optional `kvguard._speedups` extension."""
 
 import importlib.util
 import os
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 
@@ -23,4 +24,8 @@ class build_py_with_startup_files(build_py):
         return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, n) for n in names]
 
 
-setup(cmdclass={"build_py": build_py_with_startup_files})
+setup(
+    cmdclass={"build_py": build_py_with_startup_files},
+    # Optional: without a compiler the package installs and uses the same check in Python.
+    ext_modules=[Extension("kvguard._speedups", ["kvguard/_speedups.c"], optional=True)],
+)

@@ -1,0 +1,62 @@
+/* kvguard._speedups: the placement check in C.
+ *
+ * same_values(containers, held) -> bool
+ *   True when the lists and dicts in `containers` (a tuple), walked in order, hold
+ *   exactly the objects of `held` (a tuple), compared by identity. No Python code runs
+ *   and no object is compared by value, so a tensor's __eq__ is never called.
+ *
+ * Optional: kvguard/_tree.py falls back to the same check in Python when this module
+ * did not build.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+static PyObject *
+same_values(PyObject *self, PyObject *args)
+{
+    PyObject *containers, *held;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyTuple_Type, &containers, &PyTuple_Type, &held))
+        return NULL;
+    Py_ssize_t k = 0, n_held = PyTuple_GET_SIZE(held);
+    for (Py_ssize_t c = 0; c < PyTuple_GET_SIZE(containers); c++) {
+        PyObject *container = PyTuple_GET_ITEM(containers, c);
+        if (PyList_Check(container)) {
+            Py_ssize_t n = PyList_GET_SIZE(container);
+            if (k + n > n_held)
+                Py_RETURN_FALSE;
+            for (Py_ssize_t i = 0; i < n; i++, k++)
+                if (PyList_GET_ITEM(container, i) != PyTuple_GET_ITEM(held, k))
+                    Py_RETURN_FALSE;
+        }
+        else if (PyDict_Check(container)) {
+            Py_ssize_t pos = 0;
+            PyObject *key, *value;
+            while (PyDict_Next(container, &pos, &key, &value)) {
+                if (k >= n_held || value != PyTuple_GET_ITEM(held, k))
+                    Py_RETURN_FALSE;
+                k++;
+            }
+        }
+        else {
+            PyErr_SetString(PyExc_TypeError, "same_values() compares lists and dicts only");
+            return NULL;
+        }
+    }
+    if (k != n_held)
+        Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
+}
+
+static PyMethodDef methods[] = {
+    {"same_values", same_values, METH_VARARGS,
+     "same_values(containers, held): do the lists and dicts hold exactly `held`, by identity?"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvguard._speedups", NULL, -1, methods};
+
+PyMODINIT_FUNC
+PyInit__speedups(void)
+{
+    return PyModule_Create(&module);
+}
