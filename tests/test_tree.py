@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import namedtuple
 from typing import Any, Callable
 
@@ -71,6 +72,11 @@ def test_changed_sees_every_store(changed: Callable[[Any], bool], mutate: Callab
     snap = _tree.snapshot(containers)
     mutate(obj)
     assert changed(snap) is expected
+
+
+@pytest.mark.skipif(not os.environ.get("KVGUARD_REQUIRE_SPEEDUPS"), reason="only where a compiler is known")
+def test_the_c_helper_built() -> None:
+    assert _tree._same_values_c is not None, "kvguard._speedups did not build or import"
 
 
 def test_the_c_helper_refuses_other_containers() -> None:
