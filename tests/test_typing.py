@@ -13,6 +13,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_mypy_strict_is_clean(tmp_path: Path) -> None:
     pytest.importorskip("mypy")
-    result = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path), "kvguard"],
+    result = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path)],
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
