@@ -6,9 +6,6 @@ import dataclasses
 import os
 from typing import Any, Optional
 
-KINDS = ("write", "metadata", "repoint", "unobserved")
-
-
 @dataclasses.dataclass(frozen=True)
 class MutationEvent:
     """One in-place write to a protected tensor, as plain text and numbers.

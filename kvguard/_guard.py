@@ -88,12 +88,12 @@ class Guard:
 
         site = self.exit_site or _frames.user_site()
         events = []
-        for entry, tensor, old in moved:
+        for entry, tensor, old, now in moved:
             events.append(MutationEvent(
                 path=entry.path, op="(no dispatched op)", kind="unobserved", blocked=False,
                 filename=site.filename, lineno=site.lineno, code=site.code, function=site.function,
                 placed_at=entry.placed_at, tensor=_diff.describe(tensor), before=_fingerprint_text(old),
-                after=_fingerprint_text(_fingerprint(tensor)),
+                after=_fingerprint_text(now),
                 diff="identity or memory changed with no dispatched op (k.data = ..., or code the guard cannot see)",
             ))
         return events
@@ -222,12 +222,6 @@ def _caller_name(obj: Any) -> str:
             if len(names) == 1:
                 return names[0]
     return "obj"
-
-
-def _fingerprint(tensor: Any) -> tuple[Any, ...]:
-    from kvguard import _torch
-
-    return _torch.storage_fingerprint(tensor)
 
 
 def _fingerprint_text(fp: tuple[Any, ...]) -> str:

@@ -52,7 +52,6 @@ class ProtectedSet:
         self._index: dict[Any, tuple[list[int], list[tuple[int, int, list[Entry]]]]] = {}
         self._watch = _tree.snapshot([])
         self._all_starts: list[int] = []
-        self._all_stops: list[int] = []
         self._max_stop_upto: list[int] = []
         self._dirty = False
         self._scan(frames=None)
@@ -161,9 +160,8 @@ class ProtectedSet:
             self._index[device] = ([g[0] for g in groups], groups)
         every = sorted((g[0], g[1]) for _, groups in self._index.values() for g in groups)
         self._all_starts = [start for start, _ in every]
-        self._all_stops = [stop for _, stop in every]
         running, self._max_stop_upto = 0, []
-        for stop in self._all_stops:
+        for _, stop in every:
             running = max(running, stop)
             self._max_stop_upto.append(running)
 
@@ -221,8 +219,9 @@ class ProtectedSet:
 
     # -- exit ------------------------------------------------------------------------
 
-    def changed_behind_our_back(self) -> list[tuple[Entry, torch.Tensor, tuple[Any, ...]]]:
-        """Entries whose identity or layout changed with no op reporting it."""
+    def changed_behind_our_back(
+            self) -> list[tuple[Entry, torch.Tensor, tuple[Any, ...], tuple[Any, ...]]]:
+        """Entries whose identity or layout changed with no op reporting it: (entry, tensor, was, is)."""
         moved = []
         for entry in self._entries.values():
             tensor = entry.ref()
@@ -230,7 +229,7 @@ class ProtectedSet:
                 continue
             now = _torch.storage_fingerprint(tensor)
             if now != entry.fingerprint:
-                moved.append((entry, tensor, entry.fingerprint))
+                moved.append((entry, tensor, entry.fingerprint, now))
         return moved
 
     def close(self) -> None:

@@ -71,11 +71,6 @@ def rank_tag(info: Optional[dict[str, Any]] = None) -> str:
     return " ".join(parts)
 
 
-def rank_number() -> int:
-    rank = rank_info().get("rank")
-    return int(rank) if rank is not None else 0
-
-
 def _env_int(name: str) -> Optional[int]:
     value = os.environ.get(name, "")
     return int(value) if value.strip().lstrip("-").isdigit() else None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 Listener = Callable[[Any, Any], None]  # (MutationEvent, Guard)
 

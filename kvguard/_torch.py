@@ -6,7 +6,7 @@ pure: it reads schemas and tensor metadata, never tensor values.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -235,11 +235,6 @@ def innermost_dispatch_mode() -> Any:
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     return _get_current_dispatch_mode()
-
-
-def dispatch_stack_depth() -> int:
-    """How many dispatch modes are active on this thread."""
-    return int(torch._C._len_torch_dispatch_stack())
 
 
 # ---------------------------------------------------------------------------------------
