@@ -9,6 +9,7 @@ Importing kvguard does not import torch; the engine loads when a guard is entere
 """
 
 from kvguard._errors import ConfigError as ConfigError
+from kvguard._errors import GuardWarning as GuardWarning
 from kvguard._errors import MutationError as MutationError
 from kvguard._errors import MutationWarning as MutationWarning
 from kvguard._events import GuardReport as GuardReport
@@ -18,7 +19,7 @@ from kvguard._guard import guard as guard
 from kvguard._guard import guarded as guarded
 
 __version__ = "0.1.0"
-__all__ = ["ConfigError", "Guard", "GuardReport", "MutationError", "MutationEvent",
+__all__ = ["ConfigError", "Guard", "GuardReport", "GuardWarning", "MutationError", "MutationEvent",
            "MutationWarning", "guard", "guarded"]
 
 # Re-exports look native: tracebacks and reprs say kvguard.MutationError.

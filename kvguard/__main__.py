@@ -39,19 +39,35 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     opts = parser.parse_args(argv)
     try:
-        if opts.command == "run":
-            return _run(opts)
-        if opts.command == "report":
-            return _report(opts.path, opts.width)
-        if opts.command == "install-pth":
-            print(f"kvguard: wrote {_pth.install()}")
-            return 0
-        removed = _pth.uninstall()
-        print(f"kvguard: removed {removed}" if removed else "kvguard: no kvguard.pth to remove")
-        return 0
+        status = _command(opts)
+        sys.stdout.flush()  # a reader that left early (`| head`) shows up here, not at exit
+        return status
+    except BrokenPipeError:
+        _discard_stdout()
+        return 1
     except (ConfigError, FileNotFoundError) as exc:
         print(f"kvguard: {exc}", file=sys.stderr)
         return 2
+
+
+def _command(opts: Any) -> int:
+    if opts.command == "run":
+        return _run(opts)
+    if opts.command == "report":
+        return _report(opts.path, opts.width)
+    if opts.command == "install-pth":
+        print(f"kvguard: wrote {_pth.install()}")
+        return 0
+    removed = _pth.uninstall()
+    print(f"kvguard: removed {removed}" if removed else "kvguard: no kvguard.pth to remove")
+    return 0
+
+
+def _discard_stdout() -> None:
+    """Python's recipe for a closed pipe: stdout to devnull, so the flush at exit cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _run(opts: Any) -> int:
@@ -60,10 +76,12 @@ def _run(opts: Any) -> int:
         raise ConfigError("kvguard run needs a command after --")
     env = dict(os.environ)
     action = opts.action or env.get("KVGUARD") or "warn"
-    env["KVGUARD"] = _config.parse_action(action, "--action" if opts.action else "the KVGUARD environment variable")
+    env["KVGUARD"] = _config.parse_action(action, "--action" if opts.action else _config.env_source("KVGUARD"))
     if opts.targets:
         env["KVGUARD_TARGETS"] = opts.targets
-    _config.parse_targets(env.get("KVGUARD_TARGETS", ""))  # fail here, before the job starts
+    # Fail here, before the job starts, naming where the bad value came from.
+    _config.parse_targets(env.get("KVGUARD_TARGETS", ""),
+                          "--targets" if opts.targets else _config.env_source("KVGUARD_TARGETS"))
     if opts.report_dir:
         env["KVGUARD_REPORT_DIR"] = os.path.abspath(opts.report_dir)
     # Bootstrap first, then the directory kvguard is imported from (a source checkout).

@@ -62,7 +62,13 @@ def parse_action(value: str, source: str) -> str:
     return action
 
 
-def parse_targets(value: str, source: str = "the KVGUARD_TARGETS environment variable") -> tuple[Target, ...]:
+def env_source(name: str) -> str:
+    """How errors name a value that came from the environment variable `name`."""
+    return f"the {name} environment variable"
+
+
+def parse_targets(value: str, source: str = env_source("KVGUARD_TARGETS")) -> tuple[Target, ...]:
+    """Targets from a comma-separated `module:qualname(argname)` list; names `source` on error."""
     targets = []
     for item in filter(str.strip, value.split(",")):
         match = _TARGET.match(item)

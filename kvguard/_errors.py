@@ -14,20 +14,38 @@ class MutationError(RuntimeError):
     Raised before the write in `action="raise"`, so the data is intact. Carries the
     `event` that triggered it and the guard's `report`; both are plain data, so the
     error pickles across processes (Ray, multiprocessing).
+
+    A handler that reads the error (its text, `event` or `report`) has seen it. One
+    that catches it without looking (`except RuntimeError: retry`) swallowed it: the
+    guard raises it again at its exit.
     """
 
     def __init__(self, message: str, event: Optional[MutationEvent] = None,
                  report: Optional[GuardReport] = None) -> None:
         super().__init__(message, event, report)
-        self.event = event
-        self.report = report
+        self.seen = False
+
+    @property
+    def event(self) -> Optional[MutationEvent]:
+        self.seen = True
+        return self.args[1]  # type: ignore[no-any-return]
+
+    @property
+    def report(self) -> Optional[GuardReport]:
+        self.seen = True
+        return self.args[2]  # type: ignore[no-any-return]
 
     def __str__(self) -> str:
+        self.seen = True
         return str(self.args[0])
 
 
 class MutationWarning(UserWarning):
     """A protected tensor was written in place (`action="warn"`)."""
+
+
+class GuardWarning(UserWarning):
+    """A guard that may have looked at nothing: it protected no tensor, or a `keys` name never appeared."""
 
 
 class ConfigError(ValueError):

@@ -9,12 +9,13 @@ holds the new tensor (`rollout_data["kl"] = kl`, `d.update(...)`, `lst.append(t)
 from __future__ import annotations
 
 import ast
+import inspect
 import linecache
 import os
 import sys
 import sysconfig
 import types
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, Collection, Iterator, NamedTuple, Optional
 
 _ANY = object()  # a key the source does not spell as a constant
 _STORE_METHODS = frozenset({"update", "setdefault", "append", "extend", "insert", "__setitem__", "__ior__"})
@@ -86,6 +87,91 @@ def site_of(frame: Optional[types.FrameType]) -> Site:
     return Site(code.co_filename, frame.f_lineno, code.co_name, line)
 
 
+# Before PEP 667 (Python 3.13) reading `f_locals` leaves a snapshot dict on the frame.
+_LOCALS_SNAPSHOT = sys.version_info < (3, 13)
+
+
+def frame_namespace(frame: types.FrameType) -> dict[str, Any]:
+    """The names visible in `frame` (its globals, then its locals), without pinning its locals.
+
+    On Python <= 3.12 reading `f_locals` stores a snapshot of every local on the frame
+    until the function returns, so a tensor the user deletes later in that function
+    would stay alive (GPU memory held across a step). The snapshot is emptied again
+    unless someone else holds it (a `locals()` result); any later read rebuilds it.
+    """
+    local = frame.f_locals
+    namespace = {**frame.f_globals, **local}
+    # Held by the frame, by `local` and by getrefcount's argument: nobody else sees it.
+    if _LOCALS_SNAPSHOT and frame.f_code.co_flags & inspect.CO_OPTIMIZED and sys.getrefcount(local) <= 3:
+        local.clear()
+    return namespace
+
+
+def call_argument_text(frame: types.FrameType, callee_names: Collection[str]) -> Optional[str]:
+    """The source text of the first argument of the call `frame` is executing.
+
+    `kvguard.guard(self.rollout_data)` gives "self.rollout_data". Only calls whose
+    function is named one of `callee_names` count, and only arguments that name
+    something (a variable, an attribute, an item); None otherwise.
+    """
+    tree = _parse(frame.f_code.co_filename)
+    if tree is None:
+        return None
+    where = _instruction_position(frame)
+    best: Optional[ast.Call] = None
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and node.args and _callee_name(node.func) in callee_names):
+            continue
+        if not _contains(node, where):
+            continue
+        if best is None or _contains(best, (node.lineno, node.end_lineno, node.col_offset, node.end_col_offset)):
+            best = node  # the innermost matching call
+    if best is None:
+        return None
+    argument = best.args[0]
+    if not isinstance(argument, (ast.Name, ast.Attribute, ast.Subscript)):
+        return None  # a literal or a call: no name to give it
+    source = "".join(linecache.getlines(frame.f_code.co_filename))
+    text = ast.get_source_segment(source, argument)
+    return " ".join(text.split()) if text else None
+
+
+def _instruction_position(frame: types.FrameType) -> tuple[Any, ...]:
+    """(lineno, end_lineno, col, end_col) of the running instruction; columns None before 3.11."""
+    positions = getattr(frame.f_code, "co_positions", None)
+    if positions is not None and frame.f_lasti >= 0:
+        for i, position in enumerate(positions()):
+            if i == frame.f_lasti // 2 and position[0] is not None:
+                return tuple(position)
+    return (frame.f_lineno, frame.f_lineno, None, None)
+
+
+def _contains(node: ast.AST, where: tuple[Any, ...]) -> bool:
+    line, end_line, col, end_col = where
+    start, stop = (node.lineno, node.col_offset), (node.end_lineno, node.end_col_offset)  # type: ignore[attr-defined]
+    if col is None or end_col is None:
+        return bool(start[0] <= line and end_line <= stop[0])
+    return bool(start <= (line, col) and (end_line, end_col) <= stop)
+
+
+def _callee_name(func: ast.AST) -> Optional[str]:
+    if isinstance(func, ast.Name):
+        return func.id
+    return func.attr if isinstance(func, ast.Attribute) else None
+
+
+def drop_internal_frames(exc: BaseException) -> None:
+    """End the traceback at the user's line, not in torch's dispatcher and kvguard's mode."""
+    last_user, tb = None, exc.__traceback__
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if not _is_internal(filename if os.path.isabs(filename) else os.path.abspath(filename)):
+            last_user = tb
+        tb = tb.tb_next
+    if last_user is not None:
+        last_user.tb_next = None
+
+
 def placement_site(frames: list[types.FrameType], chain: tuple[tuple[Any, Any], ...]) -> Optional[Site]:
     """The statement that put a tensor where `chain` says it is, if the source shows it.
 
@@ -105,7 +191,7 @@ def _placement_in_frame(frame: types.FrameType, chain: tuple[tuple[Any, Any], ..
     stores = _stores_in(frame.f_code)
     if not stores:
         return None
-    namespace = {**frame.f_globals, **frame.f_locals}
+    namespace = frame_namespace(frame)
     best: Optional[tuple[tuple[int, int, int], int]] = None
     for lineno, name, key in stores:
         obj = namespace.get(name, _ANY)

@@ -12,7 +12,7 @@ import warnings
 from typing import Any, Callable, Collection, Literal, Optional, TypeVar
 
 from kvguard import _frames, _ranks, _render
-from kvguard._errors import ConfigError, MutationError, MutationWarning
+from kvguard._errors import ConfigError, GuardWarning, MutationError, MutationWarning
 from kvguard._events import GuardReport, MutationEvent
 from kvguard._state import STATE
 
@@ -40,10 +40,16 @@ class Guard:
         self._mode: Any = None
         self._protected: Any = None
         self._entered = False
+        self._raised: list[MutationError] = []  # raised in ops; unread ones are raised again at exit
         self.target: Optional[str] = None  # set when env activation guards a target
         # Where exit-check events are located; defaults to the frame that exits the guard
         # (integrations such as the pytest plugin point it at the test instead).
         self.exit_site: Optional[_frames.Site] = None
+        # Warnings that a `-W error` filter turned into exceptions: never raised into the
+        # user's code, kept for integrations (the pytest plugin fails the test with them).
+        self.unraised_warnings: list[Warning] = []
+        self.keys_seen: frozenset[Any] = frozenset()  # top-level keys the object held (set at exit)
+        self.protected_count = 0  # tensors protected over the guard's life (set at exit)
 
     def __enter__(self) -> Guard:
         if self._entered:
@@ -60,24 +66,61 @@ class Guard:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         from kvguard import _torch
 
-        if _torch.innermost_dispatch_mode() is not self._mode:
-            # Popping now would pop someone else's mode (torch pops the innermost).
-            raise RuntimeError(f"{self!r} exited while another dispatch mode entered after it is "
-                               "still active; exit guards and modes in reverse order of entry")
+        if self._mode is None:
+            raise RuntimeError(f"{self!r} exited without being entered")
         try:
-            self._mode.__exit__(exc_type, exc, tb)
+            if not _torch.exit_dispatch_mode(self._mode, (exc_type, exc, tb)):
+                self._mode.unhook()  # on another thread's stack: inert once the set is closed
         finally:
             unobserved = self._exit_check()
+            self.keys_seen = frozenset(self._protected.keys_seen)
+            self.protected_count = self._protected.protected_count
             self._protected.close()
             self._protected = self._mode = None
             self.obj = None
         for event in unobserved:
             self._on_event(event, at_exit=True)
-        if unobserved and self.action == "raise" and exc_type is None:
-            # Too late to stop the change, but a raise guard must not end quietly. An
-            # exception already leaving the block is never masked.
+        if isinstance(exc, MutationError) and exc.args[2] is self.report:
+            _frames.drop_internal_frames(exc)
+        if exc_type is None and self.target is None:
+            self._warn_if_blind()
+        if exc_type is not None or self.action != "raise":
+            return False  # an exception already leaving the block is never masked
+        raised = next((error for error in self._raised if not error.seen), None)
+        if raised is not None:
+            # An `except RuntimeError:` around the write swallowed the error unread: the
+            # write was skipped and the code went on as if it had happened.
+            raise MutationError(raised.args[0] + "\n" + _render.detail_line(
+                "caught", "this MutationError was caught inside the guard and never read (an except "
+                "clause around the write?); the write did not happen"), raised.args[1], self.report)
+        if unobserved:
+            # Too late to stop the change, but a raise guard must not end quietly.
             raise MutationError(_render.format_event(unobserved[0]), unobserved[0], self.report)
         return False
+
+    def _warn_if_blind(self) -> None:
+        """A `GuardWarning` when the guard may have looked at nothing."""
+        missing = [k for k in self.keys or () if k not in self.keys_seen]
+        if missing:
+            self._warn(f"kvguard.guard({self.name}, keys=...): {', '.join(map(repr, missing))} never appeared "
+                       f"in {self.name} (it held {_key_list(self.keys_seen)}); nothing was protected under "
+                       f"{'that name' if len(missing) == 1 else 'those names'}", GuardWarning)
+        elif self.protected_count == 0:
+            self._warn(f"kvguard.guard({self.name}) protected no tensor: {self.name} held none while the "
+                       "guard was active, so no write could be checked", GuardWarning)
+
+    def _warn(self, message: str, category: type[Warning], filename: Optional[str] = None,
+              lineno: int = 0) -> None:
+        """Warn without ever raising into the user's code (`-W error` must not kill the job)."""
+        try:
+            if filename is None:
+                site = self.exit_site or _frames.user_site()
+                filename, lineno = site.filename, site.lineno
+            warnings.warn_explicit(message, category, filename, lineno)
+        except Exception as exc:  # noqa: BLE001 - a warnings filter set to "error", or a broken hook
+            self.unraised_warnings.append(exc if isinstance(exc, Warning) else category(message))
+            if category is not MutationWarning:  # a MutationWarning's panel is printed already
+                _render.say(f"kvguard: {message}")
 
     def _exit_check(self) -> list[MutationEvent]:
         """Changes no op reported: a protected tensor re-pointed behind the mode's back."""
@@ -102,13 +145,15 @@ class Guard:
         self.report.events.append(event)
         STATE.publish(event, self)
         if self.action == "raise" and not at_exit:
-            raise MutationError(_render.format_event(event), event, self.report)
+            error = MutationError(_render.format_event(event), event, self.report)
+            self._raised.append(error)
+            raise error
         if self.action == "warn":
             key = (event.path, event.filename, event.lineno)
             if key not in self._warned:
                 self._warned.add(key)
                 _render.print_event(event, tag=_ranks.rank_tag())
-                warnings.warn_explicit(event.headline(), MutationWarning, event.filename, event.lineno)
+                self._warn(event.headline(), MutationWarning, event.filename, event.lineno)
 
     def __repr__(self) -> str:
         state = "active" if self._mode is not None else ("done" if self._entered else "new")
@@ -171,20 +216,37 @@ def guarded(argname: str, *, name: Optional[str] = None, action: str = "raise",
             if argname not in bound.arguments:
                 return fn(*args, **kwargs)  # left at its default: nothing of the caller's to protect
             g = Guard(bound.arguments[argname], name=name or argname, action=action, keys=keys, ignore=ignore)
-            wrapper.last_report = g.report  # type: ignore[attr-defined]
+            outer.last_report = g.report  # type: ignore[attr-defined]
             with g:
                 return fn(*args, **kwargs)
 
-        wrapper.last_report = None  # type: ignore[attr-defined]
-        return wrapper  # type: ignore[return-value]
+        outer = outside_dynamo(wrapper)
+        outer.last_report = None  # type: ignore[attr-defined]
+        return outer  # type: ignore[return-value]
 
     return decorate
 
 
+def outside_dynamo(fn: F) -> F:
+    """`fn`, run eagerly when called from `torch.compile`d code.
+
+    Entering and leaving a guard (weak references, frames, a dispatch mode) must be
+    invisible to Dynamo: traced, it crashes. The guarded call itself runs eagerly, as
+    compiled code does anyway under a dispatch mode. Imports torch: call it only where
+    torch code is being wrapped.
+    """
+    import torch
+
+    disable: Callable[[F], F] = getattr(torch, "_disable_dynamo")  # dynamo.disable, imported lazily
+    return disable(fn)
+
+
 def _check_action(action: Any) -> str:
-    if action not in ACTIONS:
-        raise ConfigError(f"invalid action {action!r}; expected one of {', '.join(ACTIONS)}")
-    return str(action)
+    """The action, in any letter case: `"Warn"` works like `KVGUARD=WARN`."""
+    spelled = action.strip().lower() if isinstance(action, str) else action
+    if spelled not in ACTIONS:
+        raise ConfigError(f"invalid action {action!r}; expected one of {', '.join(ACTIONS)} (any case)")
+    return str(spelled)
 
 
 def guardable(obj: Any) -> bool:
@@ -214,14 +276,29 @@ def _as_keys(keys: Any, what: str) -> Optional[tuple[Any, ...]]:
         raise TypeError(f"kvguard.guard({what}=...) takes a key or a collection of keys, got {keys!r}") from None
 
 
+_NAMING_CALLS = ("guard", "Guard", "protect")
+_MAX_NAME_CHARS = 80
+
+
 def _caller_name(obj: Any) -> str:
+    """How the caller spelled `obj`: `rollout_data`, `self.rollout_data`, `batch["rollout"]`.
+
+    Read from the calling line's source; without source, the one variable bound to
+    `obj`; else "obj".
+    """
     frame = next(_frames.user_frames(sys._getframe(1)), None)
-    if frame is not None:
-        for scope in (frame.f_locals, frame.f_globals):
-            names = [n for n, v in scope.items() if v is obj and not n.startswith("_")]
-            if len(names) == 1:
-                return names[0]
-    return "obj"
+    if frame is None:
+        return "obj"
+    text = _frames.call_argument_text(frame, _NAMING_CALLS)
+    if text and len(text) <= _MAX_NAME_CHARS:
+        return text
+    names = [n for n, v in _frames.frame_namespace(frame).items() if v is obj and not n.startswith("_")]
+    return names[0] if len(names) == 1 else "obj"
+
+
+def _key_list(keys: Collection[Any]) -> str:
+    shown = sorted(map(repr, keys))
+    return ", ".join(shown[:8]) + (f" … (+{len(shown) - 8})" if len(shown) > 8 else "") if shown else "no keys"
 
 
 def _fingerprint_text(fp: tuple[Any, ...]) -> str:

@@ -15,10 +15,12 @@ from typing import Any, Callable, Iterable, Optional
 import wrapt
 
 from kvguard._config import Target
-from kvguard._guard import Guard, guardable
+from kvguard._guard import Guard, guardable, outside_dynamo
+from kvguard._render import say
 from kvguard._state import STATE
 
 _MARK = "__kvguard_target__"
+_MISSING = object()  # the argument was not passed (left at its default)
 
 
 def install(targets: Iterable[Target], action: str, keys: Optional[tuple[str, ...]] = None,
@@ -33,7 +35,7 @@ def _hook(target: Target, action: str, keys: Any, ignore: Any) -> Callable[[Any]
         try:
             patch(module, target, action, keys, ignore)
         except Exception as exc:  # noqa: BLE001 - never break the user's import
-            sys.stderr.write(f"kvguard: cannot guard {target}: {exc}\n")
+            say(f"kvguard: cannot guard {target}: {exc}")
     return on_import
 
 
@@ -54,25 +56,41 @@ def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: An
         raise TypeError(f"{target.qualname}() has no parameter {target.argname!r}; "
                         f"its parameters are {', '.join(signature.parameters)}")
 
+    stats = STATE.target_stats(str(target))
+
     def guarded_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         try:
-            value = inspect.signature(wrapped).bind_partial(*args, **kwargs).arguments.get(target.argname)
+            value = inspect.signature(wrapped).bind_partial(*args, **kwargs).arguments.get(target.argname,
+                                                                                           _MISSING)
         except TypeError:
-            value = None  # let the call itself report the bad arguments
+            value = _MISSING  # let the call itself report the bad arguments
         if not guardable(value):
+            if value is not _MISSING:  # said at exit: the argument held nothing to guard
+                kind = _type_name(value)
+                stats.unguardable[kind] = stats.unguardable.get(kind, 0) + 1
             return wrapped(*args, **kwargs)
         STATE.guarded_calls += 1
+        stats.calls += 1
         g = Guard(value, name=target.argname, action=action, keys=keys, ignore=ignore)
         g.target = str(target)
-        with g:
-            return wrapped(*args, **kwargs)
+        try:
+            with g:
+                return wrapped(*args, **kwargs)
+        finally:
+            stats.protected += g.protected_count
+            stats.keys_seen.update(g.keys_seen)
 
-    wrapt.wrap_function_wrapper(owner, attr, guarded_call)
+    wrapt.wrap_function_wrapper(owner, attr, outside_dynamo(guarded_call))
     wrapper = getattr(owner, attr)
     setattr(wrapper, _MARK, str(target))
     rebound = _rebind_aliases(function, wrapper, skip=owner)
     STATE.patched.append(str(target))
     STATE.undo.append(lambda: _restore(owner, attr, original, rebound))
+
+
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _rebind_aliases(function: Any, wrapper: Any, skip: Any) -> list[tuple[Any, str]]:

@@ -19,6 +19,7 @@ from kvguard._protect import Entry, ProtectedSet
 _facts_cache = _torch._facts_cache
 _op_facts = _torch.op_facts
 _COPY = torch.ops.aten.copy_.default
+FREED_DIFF = "values not compared (the tensor was freed before they could be read)"
 
 
 class MutationGuardMode(TorchDispatchMode):
@@ -47,7 +48,11 @@ class MutationGuardMode(TorchDispatchMode):
         try:
             super().__exit__(*exc)  # type: ignore[no-untyped-call]
         finally:
-            self._unhook_swap()
+            self.unhook()
+
+    def unhook(self) -> None:
+        """Stop wrapping `swap_tensors` for this mode (also when it leaves the stack out of order)."""
+        self._unhook_swap()
 
     def _on_swap(self, t1: torch.Tensor, t2: torch.Tensor) -> Callable[[], None]:
         """`torch.utils.swap_tensors` on a protected tensor: report it like `set_`."""
@@ -104,13 +109,15 @@ class MutationGuardMode(TorchDispatchMode):
                 protected.relayout(entry)
             event = self._event(func, facts.kind, entry, site, blocked=False,
                                 before_meta=before_meta.get(id(entry)))
+            tensor = protected.tensor_of(entry)
             if entry.before is not None:  # the next write's diff starts from this value
-                entry.before = _diff.advance(entry.before, protected.tensor_of(entry))
+                entry.before = _diff.advance(tensor, entry.before) if tensor is not None else None
             self.on_event(event)
         return out
 
     def _event(self, func: Any, kind: str, entry: Entry, site: _frames.Site, blocked: bool,
                before_meta: Optional[str] = None) -> MutationEvent:
+        """The event for one protected entry; its summaries never raise (see `_diff`)."""
         tensor = self.protected.tensor_of(entry)
         described = _describe(tensor)
         if blocked:
@@ -119,10 +126,10 @@ class MutationGuardMode(TorchDispatchMode):
             diff = "not applied: raised before the write, the data is intact"
         elif kind == "write":
             # Show the values where this write starts changing them, not just the first few.
-            first = _diff.first_change(entry.before, tensor) if tensor is not None else 0
-            before = _diff.values(entry.before, first) if entry.before is not None else described
-            after = _diff.values(tensor, first) if tensor is not None else "<freed>"
-            diff = _diff.diff(entry.before, tensor) if tensor is not None else ""
+            first = _diff.first_change(tensor, entry.before) if tensor is not None else 0
+            before = _diff.values(entry.before, first) if entry.before is not None else _diff.NO_COPY
+            after = _values(tensor, first)
+            diff = _diff.diff(tensor, entry.before) if tensor is not None else FREED_DIFF
         else:
             before = before_meta or described
             after = described
@@ -140,8 +147,8 @@ def _describe(tensor: Optional[torch.Tensor]) -> str:
     return _diff.describe(tensor) if tensor is not None else "<freed>"
 
 
-def _values(tensor: Optional[torch.Tensor]) -> str:
-    return _diff.values(tensor) if tensor is not None else "<freed>"
+def _values(tensor: Optional[torch.Tensor], around: int = 0) -> str:
+    return _diff.values(tensor, around) if tensor is not None else "<freed>"
 
 
 def _is_self_copy(args: Any) -> bool:

@@ -54,6 +54,8 @@ class ProtectedSet:
         self._all_starts: list[int] = []
         self._max_stop_upto: list[int] = []
         self._dirty = False
+        self.keys_seen: set[Any] = set()  # top-level keys (or indices) the root ever held
+        self.protected_count = 0  # tensors protected so far, including ones let go since
         self._scan(frames=None)
 
     # -- placement -------------------------------------------------------------------
@@ -91,6 +93,7 @@ class ProtectedSet:
         for key in [k for k, e in self._entries.items() if e.ref() is None]:
             del self._entries[key]
         leaves, containers = _tree.walk(self._root, self._name, _is_tensor, self._keys, self._ignore)
+        self.keys_seen.update(key for key, _, _ in _tree.child_items(self._root))
         reached: dict[int, list[str]] = {}
         for leaf in leaves:
             paths = reached.setdefault(id(leaf.tensor), [])
@@ -107,6 +110,7 @@ class ProtectedSet:
 
     def _add(self, leaf: _tree.Leaf, placed_at: Optional[str]) -> None:
         ref = weakref.ref(leaf.tensor, self._on_death)
+        self.protected_count += 1
         self._entries[id(leaf.tensor)] = Entry(leaf.path, leaf.tensor, ref, placed_at)
 
     def _on_death(self, _: Any) -> None:

@@ -67,6 +67,13 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[_SETTING] = _effective_action(config)
     except ConfigError as exc:
         raise pytest.UsageError(str(exc)) from None
+    from kvguard._startup import not_activated_hint
+
+    hint = not_activated_hint()
+    if hint:
+        from kvguard._render import say
+
+        say(hint)
 
 
 def _effective_action(config: pytest.Config) -> tuple[str, str]:
@@ -129,7 +136,9 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
     except BaseException as exc:
         _close(item, start, exc)
         if isinstance(exc, MutationError):
-            _drop_internal_frames(exc)
+            from kvguard._frames import drop_internal_frames
+
+            drop_internal_frames(exc)
         raise
     failures = _close(item, start, None)
     if failures:
@@ -193,19 +202,6 @@ def _enter(item: pytest.Item, g: Any) -> None:
     item.stash.setdefault(_GUARDS, []).append(g)
 
 
-def _drop_internal_frames(exc: BaseException) -> None:
-    """End the traceback at the user's write, not in torch's dispatcher and kvguard's mode."""
-    from kvguard._frames import _is_internal
-
-    last_user, tb = None, exc.__traceback__
-    while tb is not None:
-        if not _is_internal(os.path.abspath(tb.tb_frame.f_code.co_filename)):
-            last_user = tb
-        tb = tb.tb_next
-    if last_user is not None:
-        last_user.tb_next = None
-
-
 def _test_site(item: pytest.Item) -> Any:
     from kvguard._frames import Site
 
@@ -235,6 +231,8 @@ def _close(item: pytest.Item, start: int, exc: Optional[BaseException]) -> list[
         else:
             if exc is None and g.action == "record" and not g.report.ok:
                 failures.append(g.report.format())
+        # Warnings a filter turned into errors: kept off the user's ops, they fail the test here.
+        failures += [f"{type(w).__name__}: {w}" for w in g.unraised_warnings]
     if broken is not None:
         raise broken
     return failures

@@ -40,8 +40,13 @@ def event_details(ev: MutationEvent) -> list[tuple[str, str]]:
     return rows
 
 
+def detail_line(key: str, value: str) -> str:
+    """One aligned `  key      value` line of a plain-text event."""
+    return f"  {key:<8} {value}"
+
+
 def format_event(ev: MutationEvent) -> str:
-    lines = [ev.headline()] + [f"  {key:<8} {value}" for key, value in event_details(ev)]
+    lines = [ev.headline()] + [detail_line(key, value) for key, value in event_details(ev)]
     return _clip("\n".join(lines))
 
 
@@ -99,23 +104,36 @@ def rich_report(report: GuardReport) -> Any:
 
 
 def print_event(ev: MutationEvent, tag: str = "", file: Any = None) -> None:
-    """Render one event once and write it to stderr in a single call."""
+    """Render one event once and write it to stderr in a single call.
+
+    Best effort: the event is already in the report, so a missing (`sys.stderr` is None),
+    closed or broken stream, or a rendering failure, drops the panel rather than the job.
+    """
+    out = file if file is not None else sys.stderr
+    if out is None:
+        return
+    try:
+        out.write(_panel_text(ev, tag, out))
+        out.flush()
+    except Exception:  # noqa: BLE001 - printing must never stop the user's op
+        pass
+
+
+def _panel_text(ev: MutationEvent, tag: str, out: Any) -> str:
+    """The rich panel, or plain text when the panel would not fit one atomic write."""
     from rich.console import Console
 
-    out = file if file is not None else sys.stderr
     buffer = io.StringIO()
     isatty = bool(getattr(out, "isatty", lambda: False)())
-    width = _width(out)
-    console = Console(file=buffer, width=width, force_terminal=isatty, color_system="auto" if isatty else None,
-                      soft_wrap=False)
+    console = Console(file=buffer, width=_width(out), force_terminal=isatty,
+                      color_system="auto" if isatty else None, soft_wrap=False)
     console.print(rich_event(ev, tag))
     text = buffer.getvalue()
     if len(text.encode()) > MAX_WRITE_BYTES:  # too big for one atomic write: plain text
         text = (f"kvguard [{tag}]: " if tag else "kvguard: ") + format_event(ev) + "\n"
         raw = text.encode()[: MAX_WRITE_BYTES - 8]
         text = raw.decode(errors="ignore") + (" …\n" if len(raw) < len(text.encode()) else "")
-    out.write(text)
-    out.flush()
+    return text
 
 
 def _width(out: Any) -> int:
@@ -157,3 +175,14 @@ def report_table(records: list[dict[str, Any]], width: Any = None) -> str:
     console = Console(file=buffer, width=width or _width(sys.stdout), color_system=None, force_terminal=False)
     console.print(table)
     return buffer.getvalue().rstrip("\n")
+
+
+def say(line: str) -> None:
+    """Write one `kvguard: ...` line to stderr, best effort: a closed or missing stderr is no error."""
+    try:
+        out = sys.stderr
+        if out is not None:
+            out.write(line.rstrip("\n") + "\n")
+            out.flush()
+    except Exception:  # noqa: BLE001 - a diagnostic must never become the failure
+        pass

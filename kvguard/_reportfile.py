@@ -24,6 +24,9 @@ class JsonlSink:
         self.directory = directory
         self._path: str | None = None
 
+    def __str__(self) -> str:
+        return f"writing report files to {self.directory!r}"
+
     def path(self, rank: int) -> str:
         return os.path.join(self.directory, f"{FILE_PREFIX}{rank}.jsonl")
 
@@ -48,6 +51,24 @@ class JsonlSink:
             os.write(fd, line)
         finally:
             os.close(fd)
+
+
+def unusable(directory: str) -> str | None:
+    """Why report files cannot be written in `directory` (created if missing), or None.
+
+    Checked when kvguard starts, so a bad `KVGUARD_REPORT_DIR` is one line at start-up,
+    not an error at the first event.
+    """
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        return "it is a file, not a directory"
+    probe = os.path.join(directory, f".kvguard-probe-{os.getpid()}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
+        os.remove(probe)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 def read(path: str) -> tuple[list[dict[str, Any]], list[str]]:

@@ -2,10 +2,16 @@
 
 Imports only `os` until `KVGUARD` says to switch on, so an installed kvguard costs an
 unset environment nothing. Idempotent: the `.pth` line, the PEP 829 `.start` file and
-the `kvguard run` bootstrap may all call it in one interpreter.
+the `kvguard run` bootstrap may all call it in one interpreter. Never silently off:
+at exit, each way the settings guarded less than they say is one line with its fix.
 """
 
 import os
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvguard._state import State
 
 _activated = False
 
@@ -23,16 +29,32 @@ def activate() -> None:
     try:
         _start()
     except Exception as exc:  # noqa: BLE001 - a debug switch must not kill the job
-        import sys
+        from kvguard._render import say
 
-        sys.stderr.write(f"kvguard: not activated: {exc}\n")
+        say(f"kvguard: not activated: {exc}")
+
+
+def not_activated_hint() -> "str | None":
+    """The fix, when `KVGUARD` and `KVGUARD_TARGETS` are set but activation never ran here.
+
+    Activation runs from `kvguard.pth` (installed with kvguard, editable installs
+    included) or from `python -m kvguard run`. A source checkout on `PYTHONPATH`, an
+    install without the file, or `python -S` has neither.
+    """
+    if _activated or os.environ.get("KVGUARD", "").strip() in ("", "0"):
+        return None
+    if not os.environ.get("KVGUARD_TARGETS", "").strip():
+        return None
+    return ("kvguard: KVGUARD is set but kvguard was not activated in this interpreter (no kvguard.pth "
+            "ran), so KVGUARD_TARGETS is not guarded; run 'python -m kvguard install-pth' once in this "
+            "environment, or launch with 'python -m kvguard run -- ...'")
 
 
 def _start() -> None:
     import atexit
-    import sys
 
     from kvguard import _config
+    from kvguard._render import say
     from kvguard._state import STATE
 
     settings = _config.from_env(os.environ)
@@ -40,12 +62,17 @@ def _start() -> None:
         return
     STATE.settings, STATE.started = settings, True
     if not settings.targets:
-        sys.stderr.write("kvguard: KVGUARD is on but KVGUARD_TARGETS names no function to guard\n")
+        say("kvguard: KVGUARD is on but KVGUARD_TARGETS names no function to guard")
         return
     if settings.report_dir:
-        from kvguard._reportfile import JsonlSink
+        from kvguard._reportfile import JsonlSink, unusable
 
-        STATE.listeners.append(JsonlSink(settings.report_dir))
+        problem = unusable(settings.report_dir)
+        if problem is None:
+            STATE.listeners.append(JsonlSink(settings.report_dir))
+        else:
+            say(f"kvguard: KVGUARD_REPORT_DIR={settings.report_dir!r} cannot be used ({problem}); "
+                "the job runs on without report files")
     from kvguard import _importhook
 
     _importhook.install(settings.targets, settings.action, settings.keys, settings.ignore)
@@ -53,10 +80,82 @@ def _start() -> None:
 
 
 def _print_summary() -> None:
-    import sys
-
     from kvguard import _ranks
+    from kvguard._render import say
     from kvguard._state import STATE
 
-    if STATE.patched or STATE.events:  # not in launchers (torchrun) that never load a target
-        sys.stderr.write(STATE.summary(_ranks.rank_tag()) + "\n")
+    if not STATE.patched and not STATE.events and _is_helper_process():
+        return  # torchrun's agent, a DataLoader worker: not where the targets run
+    say(STATE.summary(_ranks.rank_tag()))
+    for line in diagnostics(STATE):
+        say(line)
+
+
+def diagnostics(state: "State") -> list[str]:
+    """One `kvguard: ...` line for each way the settings guarded less than they say."""
+    settings = state.settings
+    lines = []
+    for target in settings.targets:
+        stats = state.targets.get(str(target))
+        if str(target) not in state.patched:
+            if target.module not in sys.modules:
+                lines.append(f"kvguard: target {target.module}:{target.qualname} was never imported "
+                             f"({_why_not_imported(target.module)})")
+            continue  # imported but not patchable: said when it was imported
+        assert stats is not None
+        skipped = sum(stats.unguardable.values())
+        if stats.calls == 0 and not skipped:
+            lines.append(f"kvguard: target {target} was never called")
+        elif stats.calls == 0:
+            kinds = ", ".join(sorted(stats.unguardable))
+            lines.append(f"kvguard: target {target}: {target.argname} was never guarded in {skipped} "
+                         f"call{'s' if skipped != 1 else ''}: it held {kinds}, and kvguard guards dicts, "
+                         "lists, tuples and tensors")
+        elif stats.protected == 0:
+            lines.append(f"kvguard: target {target}: {target.argname} held no tensor in "
+                         f"{stats.calls} guarded call{'s' if stats.calls != 1 else ''}")
+    seen = set().union(*(s.keys_seen for s in state.targets.values())) if state.targets else set()
+    missing = [k for k in settings.keys or () if k not in seen]
+    if missing and state.guarded_calls:
+        held = ", ".join(sorted(map(str, seen))[:8]) or "no keys"
+        lines.append(f"kvguard: KVGUARD_KEYS names {', '.join(map(repr, missing))}, which no guarded "
+                     f"argument ever held (they held {held})")
+    if settings.action == "record" and state.events and not settings.report_dir:
+        lines.append(f"kvguard: KVGUARD=record kept {state.events} event{'s' if state.events != 1 else ''} "
+                     "in memory only; set KVGUARD_REPORT_DIR=DIR to write them to files, or use "
+                     "KVGUARD=warn to print them")
+    return lines
+
+
+def _why_not_imported(module: str) -> str:
+    """`no module named 'x.y'`, or that the module exists but this process never imported it.
+
+    Imports nothing: a package is searched only when its parent is already imported.
+    """
+    import importlib.util
+
+    parts = module.split(".")
+    for i in range(1, len(parts) + 1):
+        name = ".".join(parts[:i])
+        if name in sys.modules:
+            continue
+        if i > 1 and ".".join(parts[:i - 1]) not in sys.modules:
+            break
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except Exception as exc:  # noqa: BLE001 - e.g. the parent is not a package
+            return str(exc)
+        if not found:
+            return f"no module named {name!r}"
+    return "it exists, but this process never imported it"
+
+
+def _is_helper_process() -> bool:
+    """A launcher's agent (torchrun) or a multiprocessing child: it never loads the targets."""
+    if "torch.distributed.elastic.agent.server" in sys.modules:
+        return True
+    mp = sys.modules.get("multiprocessing")
+    try:
+        return mp is not None and mp.parent_process() is not None
+    except Exception:  # noqa: BLE001
+        return False

@@ -237,6 +237,42 @@ def innermost_dispatch_mode() -> Any:
     return _get_current_dispatch_mode()
 
 
+# What `TorchDispatchMode.__enter__` saves and `__exit__` restores, one entry per entry.
+_SAVED_MODE_FLAGS = ("old_dispatch_mode_flags", "old_non_infra_dispatch_mode_flags",
+                     "old_without_ignore_compile_internals_dispatch_mode_flags")
+
+
+def exit_dispatch_mode(mode: Any, exc_info: tuple[Any, Any, Any]) -> bool:
+    """Leave `mode`, even when modes entered after it are still active; False if it is not here.
+
+    A guard held by a generator that is dropped while another guard is active exits
+    while it is not innermost. Popping would remove someone else's mode, so the modes
+    above it are lifted off, `mode` is removed, and they are put back; the flags `mode`
+    saved on entry pass to the mode entered right after it, which now restores them.
+    A mode on another thread's stack cannot be reached: the caller makes it inert.
+    """
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    if innermost_dispatch_mode() is mode:
+        mode.__exit__(*exc_info)
+        return True
+    if not any(m is mode for m in _get_current_dispatch_mode_stack()):
+        return False
+    above = []
+    while (top := torch._C._pop_torch_dispatch_stack(None)) is not mode:
+        above.append(top)
+    successor = above[-1] if above else None
+    for name in _SAVED_MODE_FLAGS:
+        ours, theirs = getattr(mode, name, None), getattr(successor, name, None)
+        if ours:
+            saved = ours.pop()
+            if theirs:
+                theirs[-1] = saved
+    for top in reversed(above):
+        torch._C._push_on_torch_dispatch_stack(top)
+    return True
+
+
 # ---------------------------------------------------------------------------------------
 # torch.utils.swap_tensors dispatches nothing, and refuses tensors with weak references
 # (which the protected set holds). While a guard is active the function is wrapped so

@@ -864,13 +864,20 @@ def test_metadata_write_in_warn_mode_is_one_warning_and_no_exit_duplicate(capsys
     capsys.readouterr()
 
 
-def test_guards_exited_out_of_order_refuse_instead_of_popping_another_mode() -> None:
+def test_a_guard_exited_out_of_order_removes_only_itself() -> None:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, is_in_torch_dispatch_mode
+
     a, b = {"x": torch.ones(2)}, {"y": torch.ones(2)}
     outer, inner = kvguard.guard(a, name="a"), kvguard.guard(b, name="b")
     outer.__enter__()
     inner.__enter__()
-    with pytest.raises(RuntimeError, match="reverse order of entry"):
-        outer.__exit__(None, None, None)
+    inner_mode = inner._mode
+    outer.__exit__(None, None, None)  # what a dropped generator holding `outer` does
+    assert _get_current_dispatch_mode_stack() == [inner_mode]
+    a["x"].mul_(2)  # no longer guarded
+    with pytest.raises(kvguard.MutationError, match=r"b\['y'\] would be modified"):
+        b["y"].mul_(2)
     inner.__exit__(None, None, None)
-    outer.__exit__(None, None, None)
-    assert torch._C._len_torch_dispatch_stack() == 0
+    assert torch._C._len_torch_dispatch_stack() == 0 and not is_in_torch_dispatch_mode()
+    with pytest.raises(RuntimeError, match="exited without being entered"):
+        outer.__exit__(None, None, None)

@@ -64,8 +64,13 @@ def test_fixture_from_fixture(guarded_batch):
 def test_marker(batch):
     batch["kl"][0].add_(1)
 
-@pytest.mark.kvguard(arg="batch", keys=["step"])
+@pytest.mark.kvguard(arg="batch", keys=["kl"])
 def test_marker_keys(batch):
+    batch["extra"] = t = torch.ones(2)
+    t.add_(1)
+
+@pytest.mark.kvguard(arg="batch", keys=["step"])
+def test_marker_guarding_nothing(batch):
     batch["kl"][0].add_(1)
 
 @pytest.mark.kvguard(arg="rollout")
@@ -163,13 +168,20 @@ def test_fixture_protect_from_a_fixture(project: pytest.Pytester) -> None:
 
 def test_marker_guards_the_named_arg(project: pytest.Pytester) -> None:
     result = run(project, "-k", "test_marker and not keys and not missing and not all and not exit"
-                               " and not record and not explicit")
+                               " and not record and not explicit and not nothing")
     result.assert_outcomes(failed=1)
     assert_output(result, "batch['kl'][0] would be modified in place by aten.add_.Tensor")
 
 
 def test_marker_passes_keys_through(project: pytest.Pytester) -> None:
     run(project, "-k", "marker_keys").assert_outcomes(passed=1)
+
+
+def test_a_guard_that_protected_nothing_fails_under_warnings_as_errors(project: pytest.Pytester) -> None:
+    result = run(project, "-k", "marker_guarding_nothing")  # this suite runs with filterwarnings = error
+    result.assert_outcomes(failed=1)
+    assert_output(result, "GuardWarning: kvguard.guard(batch) protected no tensor: batch held none while "
+                          "the guard was active")
 
 
 def test_marker_without_arg_guards_every_funcarg_with_tensors(project: pytest.Pytester) -> None:

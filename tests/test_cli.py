@@ -1,0 +1,216 @@
+"""`python -m kvguard`, end to end: real subprocesses in a plain venv, real pipes.
+
+The venv has no pip and no sitecustomize of its own; kvguard comes from this checkout
+through PYTHONPATH (the source-checkout route of `kvguard run`), torch, wrapt and rich
+from the test environment through a path file, so nothing is downloaded or built.
+Where a test checks stderr it checks all of it: anything unexpected there fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+import pytest
+
+import kvguard.__main__ as cli
+from kvguard._events import MutationEvent
+from kvguard._reportfile import JsonlSink
+
+ROOT = Path(__file__).resolve().parent.parent
+# The one line kvguard prints in a process that made one clean guarded call.
+CLEAN_SUMMARY = re.compile(r"kvguard: 1 guarded call, (?:0 events at 0 distinct sites|no events)\n")
+CLEAN_JOB = "def step(batch):\n    return sorted(batch)\n"
+DIRTY_JOB = "def step(batch):\n    batch['x'].add_(1)\n"
+
+
+@pytest.fixture(scope="session")
+def plain_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    home = tmp_path_factory.mktemp("plain-venv")
+    venv.EnvBuilder(with_pip=False).create(home)
+    python = home / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    (site / "00-test-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # That path also holds kvguard's own metadata, whose rank-tag entry point names
+    # kvguard_megatron: make it importable as the editable install does.
+    (site / "kvguard_megatron").symlink_to(ROOT / "integrations" / "megatron")
+    return python
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Path:
+    """A directory holding the modules a job imports: `cleanjob` and `dirtyjob`."""
+    (tmp_path / "cleanjob.py").write_text(CLEAN_JOB)
+    (tmp_path / "dirtyjob.py").write_text(DIRTY_JOB)
+    return tmp_path
+
+
+def run(python: Path, *args: str, cwd: Path, env: dict[str, str] | None = None,
+        pythonpath: tuple[Path, ...] = (ROOT,)) -> subprocess.CompletedProcess[str]:
+    """`python ARGS` with no kvguard, rank or Python settings inherited from the test run."""
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("KVGUARD", "PYTHON")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    base["PYTHONPATH"] = os.pathsep.join(map(str, pythonpath))
+    return subprocess.run([str(python), *args], env={**base, **(env or {})}, cwd=cwd,
+                          capture_output=True, text=True, timeout=180)
+
+
+def kvguard_run(python: Path, *options: str, code: str, cwd: Path, env: dict[str, str] | None = None,
+                pythonpath: tuple[Path, ...] = (ROOT,)) -> subprocess.CompletedProcess[str]:
+    """`python -m kvguard run OPTIONS -- python -c CODE`, the child being the same python."""
+    return run(python, "-m", "kvguard", "run", *options, "--", str(python), "-c", code,
+               cwd=cwd, env=env, pythonpath=pythonpath)
+
+
+# 1. The bootstrap sitecustomize: nothing on stderr but kvguard's own line, and chaining.
+
+def test_run_prints_nothing_but_the_summary(plain_python: Path, job: Path) -> None:
+    result = kvguard_run(plain_python, "--action", "warn", cwd=job,
+                         code="import cleanjob, torch; print(cleanjob.step({'b': torch.ones(1), 'a': 2}))",
+                         env={"KVGUARD_TARGETS": "cleanjob:step(batch)"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "['a', 'b']\n"
+    assert CLEAN_SUMMARY.fullmatch(result.stderr), result.stderr
+
+
+def test_run_chains_to_the_next_sitecustomize(plain_python: Path, job: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The job sees the sitecustomize it would see without kvguard, and what it put on sys.path."""
+    other = tmp_path_factory.mktemp("other-site")
+    (other / "sitecustomize.py").write_text("import sys\nprint('chained sitecustomize ran')\n"
+                                            "sys.path.append('/added/by/chained')\n")
+    code = ("import sys, sitecustomize, cleanjob, torch; cleanjob.step({'t': torch.ones(1)}); "
+            "print(sitecustomize.__file__); print('/added/by/chained' in sys.path)")
+    expected = f"chained sitecustomize ran\n{other / 'sitecustomize.py'}\nTrue\n"
+    plain = run(plain_python, "-c", code, cwd=job, pythonpath=(ROOT, other))
+    assert (plain.stdout, plain.stderr) == (expected, "")
+    result = kvguard_run(plain_python, "--targets", "cleanjob:step(batch)", code=code, cwd=job,
+                         pythonpath=(ROOT, other))
+    assert result.stdout == "chained sitecustomize ran\n" + expected  # `python -m kvguard` ran it too
+    assert CLEAN_SUMMARY.fullmatch(result.stderr), result.stderr
+
+
+def test_a_broken_next_sitecustomize_fails_as_without_kvguard(plain_python: Path, job: Path,
+                                                             tmp_path_factory: pytest.TempPathFactory) -> None:
+    other = tmp_path_factory.mktemp("broken-site")
+    (other / "sitecustomize.py").write_text("raise RuntimeError('boom')\n")
+    code = "import cleanjob, torch; cleanjob.step({'t': torch.ones(1)})"
+    plain = run(plain_python, "-c", code, cwd=job, pythonpath=(ROOT, other))
+    assert plain.stderr == "Error in sitecustomize; set PYTHONVERBOSE for traceback:\nRuntimeError: boom\n"
+    result = kvguard_run(plain_python, "--targets", "cleanjob:step(batch)", code=code, cwd=job,
+                         pythonpath=(ROOT, other))
+    assert result.returncode == 0
+    assert result.stderr.startswith(plain.stderr * 2)  # `python -m kvguard`, then the job: each as Python says
+    assert CLEAN_SUMMARY.fullmatch(result.stderr[2 * len(plain.stderr):]), result.stderr
+
+
+# 2. A bad --targets is named as --targets; a bad $KVGUARD_TARGETS as the variable.
+
+@pytest.fixture
+def no_exec(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, str]]:
+    """Run `main` in this process: the environments it would have exec'd the job with."""
+    for name in [k for k in os.environ if k.startswith("KVGUARD")]:
+        monkeypatch.delenv(name)
+    launched: list[dict[str, str]] = []
+
+    def execve(program: str, cmd: list[str], env: dict[str, str]) -> None:
+        launched.append(env)
+
+    monkeypatch.setattr(os, "execve", execve)  # the one `kvguard run` calls
+    return launched
+
+
+@pytest.mark.parametrize("option, environ, source", [
+    (["--targets", "bad"], {}, "--targets"),
+    (["--targets", "bad"], {"KVGUARD_TARGETS": "m:f(x)"}, "--targets"),
+    ([], {"KVGUARD_TARGETS": "bad"}, "the KVGUARD_TARGETS environment variable"),
+])
+def test_bad_targets_name_their_source(no_exec: list[dict[str, str]], monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str], option: list[str],
+                                       environ: dict[str, str], source: str) -> None:
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(["run", *option, "--", "python", "x.py"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and no_exec == []
+    assert re.fullmatch(rf"kvguard: invalid target 'bad' in {re.escape(source)}; [^\n]*\n", err), err
+
+
+def test_good_targets_option_wins_over_a_bad_variable(no_exec: list[dict[str, str]],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVGUARD_TARGETS", "bad")
+    cli.main(["run", "--targets", "m:f(x)", "--", "python", "x.py"])
+    assert [env["KVGUARD_TARGETS"] for env in no_exec] == ["m:f(x)"]
+
+
+def test_bad_targets_exit_2_with_one_line(plain_python: Path, tmp_path: Path) -> None:
+    result = run(plain_python, "-m", "kvguard", "run", "--targets", "bad", "--", "python", "x.py", cwd=tmp_path)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert re.fullmatch(r"kvguard: invalid target 'bad' in --targets; [^\n]*\n", result.stderr), result.stderr
+
+
+# 3. `report | head -1`: a reader that leaves early is not an error worth a traceback.
+
+def _event(i: int) -> MutationEvent:
+    return MutationEvent(
+        path=f"rollout_data['kl'][{i}]", op="aten.mul_.Tensor", kind="write", blocked=False,
+        filename="/job/trainer_loss.py", lineno=i, code="k *= 0.1", function="compute",
+        placed_at="trainer_loss.py:8", tensor="f32[16] cpu", before="[0.1, 0.2]", after="[0.01, 0.02]",
+        diff="16/16 elements changed")
+
+
+class _Guard:
+    target, name, action = "trainer_loss:compute(rollout_data)", "rollout_data", "warn"
+
+
+@pytest.fixture
+def many_events(tmp_path: Path) -> Path:
+    """A report directory whose table is far larger than a pipe's buffer."""
+    sink = JsonlSink(str(tmp_path))
+    for i in range(1500):
+        sink(_event(i), _Guard())
+    return tmp_path
+
+
+def test_report_into_a_closed_pipe_is_quiet(many_events: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "kvguard", "report", str(many_events), "--width", "120"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().startswith("kvguard: 1500 events on 1 rank")
+    proc.stdout.close()  # what `head -1` does
+    with proc.stderr:
+        err = proc.stderr.read()
+    assert proc.wait(timeout=180) == 1
+    assert err == ""
+
+
+def test_report_through_head(many_events: Path) -> None:
+    result = subprocess.run(f"{sys.executable} -m kvguard report {many_events} | head -1", shell=True,
+                            capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert result.stdout.startswith("kvguard: 1500 events on 1 rank")
+    assert result.stderr == ""
+
+
+# 4. Action spellings are case-insensitive from the command line too.
+
+@pytest.mark.parametrize("action, rc, stderr_has", [
+    ("WARN", 0, "batch['x'] was modified in place by aten.add_.Tensor"),
+    ("Raise", 1, "kvguard.MutationError: batch['x'] would be modified in place by aten.add_.Tensor"),
+])
+def test_action_spelling_is_case_insensitive(plain_python: Path, job: Path, action: str, rc: int,
+                                             stderr_has: str) -> None:
+    code = "import torch, dirtyjob; rollout = {'x': torch.zeros(3)}; dirtyjob.step(rollout); print('done')"
+    result = kvguard_run(plain_python, "--action", action, "--targets", "dirtyjob:step(batch)", code=code, cwd=job)
+    assert result.returncode == rc, result.stderr
+    assert stderr_has in result.stderr
+    assert ("done" in result.stdout) == (rc == 0)
+
+
+def test_action_option_sets_the_canonical_spelling(no_exec: list[dict[str, str]]) -> None:
+    cli.main(["run", "--action", "RECORD", "--", "python", "x.py"])
+    assert [env["KVGUARD"] for env in no_exec] == ["record"]
