@@ -8,6 +8,7 @@ lets an exception escape: a failure is one line on stderr and the import goes on
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from typing import Any, Callable, Iterable, Optional
@@ -40,7 +41,12 @@ def _hook(target: Target, action: str, keys: Any, ignore: Any) -> Callable[[Any]
 
 
 def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: Any = ()) -> None:
-    """Wrap `module.<qualname>` so each call guards `argname`; rebind stale aliases."""
+    """Wrap `module.<qualname>` so each call guards `argname`; rebind stale aliases.
+
+    The wrapper is a plain function (a `staticmethod`/`classmethod` stays one), not a
+    wrapt proxy: Dynamo takes a proxy for the function it wraps and compiles the
+    original, guard and all skipped.
+    """
     owner_path, _, attr = target.qualname.rpartition(".")
     owner = module
     for part in filter(None, owner_path.split(".")):
@@ -51,39 +57,41 @@ def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: An
     if getattr(getattr(owner, attr), _MARK, None) is not None:
         return  # already guarded (the hook ran twice)
     function = getattr(owner, attr)
-    signature = inspect.signature(function)
+    rewrap = type(original) if isinstance(original, (staticmethod, classmethod)) else None
+    inner = original.__func__ if rewrap is not None else original
+    signature = inspect.signature(inner)
     if target.argname not in signature.parameters:
         raise TypeError(f"{target.qualname}() has no parameter {target.argname!r}; "
                         f"its parameters are {', '.join(signature.parameters)}")
 
     stats = STATE.target_stats(str(target))
 
-    def guarded_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    @functools.wraps(inner)
+    def guarded_call(*args: Any, **kwargs: Any) -> Any:
         try:
-            value = inspect.signature(wrapped).bind_partial(*args, **kwargs).arguments.get(target.argname,
-                                                                                           _MISSING)
+            value = signature.bind_partial(*args, **kwargs).arguments.get(target.argname, _MISSING)
         except TypeError:
             value = _MISSING  # let the call itself report the bad arguments
         if not guardable(value):
             if value is not _MISSING:  # said at exit: the argument held nothing to guard
                 kind = _type_name(value)
                 stats.unguardable[kind] = stats.unguardable.get(kind, 0) + 1
-            return wrapped(*args, **kwargs)
+            return inner(*args, **kwargs)
         STATE.guarded_calls += 1
         stats.calls += 1
         g = Guard(value, name=target.argname, action=action, keys=keys, ignore=ignore)
         g.target = str(target)
         try:
             with g:
-                return wrapped(*args, **kwargs)
+                return inner(*args, **kwargs)
         finally:
             stats.protected += g.protected_count
             stats.keys_seen.update(g.keys_seen)
 
-    wrapt.wrap_function_wrapper(owner, attr, outside_dynamo(guarded_call))
-    wrapper = getattr(owner, attr)
+    wrapper = outside_dynamo(guarded_call)
     setattr(wrapper, _MARK, str(target))
-    rebound = _rebind_aliases(function, wrapper, skip=owner)
+    setattr(owner, attr, rewrap(wrapper) if rewrap is not None else wrapper)
+    rebound = _rebind_aliases(function, getattr(owner, attr), skip=owner)
     STATE.patched.append(str(target))
     STATE.undo.append(lambda: _restore(owner, attr, original, rebound))
 

@@ -120,7 +120,9 @@ def diagnostics(state: "State") -> list[str]:
         held = ", ".join(sorted(map(str, seen))[:8]) or "no keys"
         lines.append(f"kvguard: KVGUARD_KEYS names {', '.join(map(repr, missing))}, which no guarded "
                      f"argument ever held (they held {held})")
-    if settings.action == "record" and state.events and not settings.report_dir:
+    from kvguard._reportfile import JsonlSink
+
+    if settings.action == "record" and state.events and not any(isinstance(x, JsonlSink) for x in state.listeners):
         lines.append(f"kvguard: KVGUARD=record kept {state.events} event{'s' if state.events != 1 else ''} "
                      "in memory only; set KVGUARD_REPORT_DIR=DIR to write them to files, or use "
                      "KVGUARD=warn to print them")
@@ -134,6 +136,9 @@ def _why_not_imported(module: str) -> str:
     """
     import importlib.util
 
+    if module in _main_names():
+        return (f"{module}.py ran as the main script, __main__, and kvguard guards modules as they are "
+                "imported: import it from a small launcher script")
     parts = module.split(".")
     for i in range(1, len(parts) + 1):
         name = ".".join(parts[:i])
@@ -148,6 +153,14 @@ def _why_not_imported(module: str) -> str:
         if not found:
             return f"no module named {name!r}"
     return "it exists, but this process never imported it"
+
+
+def _main_names() -> set[str]:
+    """What the main script would be called as a module (`python job.py`, `python -m pkg.job`)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-m") else ""
+    names = {os.path.splitext(os.path.basename(argv0))[0]} if argv0 else set()
+    return names | ({spec.name} if getattr(spec, "name", None) else set())
 
 
 def _is_helper_process() -> bool:

@@ -1,0 +1,201 @@
+"""kvguard is never silently off: each way env activation guards less than it says is a line at exit.
+
+Real subprocesses of this environment's Python, activated only by `KVGUARD*` variables
+through the `kvguard.pth` that every install of kvguard ships (editable ones included),
+and their whole stderr checked.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import kvguard
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = ROOT / "examples" / "unchanged_job"
+TARGET = "trainer_loss:compute_advantages_and_returns(rollout_data)"
+
+
+def run(*args: str, env: dict[str, str], cwd: Path = JOB) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("KVGUARD", "PYTHON")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    base["PYTHONPATH"] = str(cwd)
+    return subprocess.run([sys.executable, *args], env={**base, **env}, cwd=cwd, capture_output=True,
+                          text=True, timeout=180)
+
+
+def test_this_install_ships_the_pth_file() -> None:
+    """The README's editable install activates from the environment like a wheel."""
+    pth = Path(sysconfig.get_paths()["purelib"]) / "kvguard.pth"
+    assert pth.exists(), "reinstall kvguard (pip install -e .): this environment has no kvguard.pth"
+    result = run("train.py", env={"KVGUARD": "warn", "KVGUARD_TARGETS": TARGET})
+    assert "rollout_data['kl'][0] was modified in place by aten.mul_.Tensor" in result.stderr
+    assert result.stderr.endswith("kvguard: 2 guarded calls, 4 events at 2 distinct sites\n")
+
+
+def test_every_way_of_being_off_is_named(tmp_path: Path) -> None:
+    (tmp_path / "argjob.py").write_text(textwrap.dedent("""
+        def takes_namespace(args):
+            return args
+
+        def takes_tensors(rollout_data):
+            rollout_data["kl"].mul_(2)
+
+        def never_called(rollout_data):
+            pass
+    """))
+    (tmp_path / "main.py").write_text(textwrap.dedent("""
+        import argparse, torch
+        from argjob import takes_namespace, takes_tensors
+
+        takes_namespace(argparse.Namespace(lr=1.0))
+        takes_namespace(argparse.Namespace(lr=2.0))
+        takes_tensors({"kl": torch.ones(2), "log_probs": torch.ones(2)})
+        print("job done")
+    """))
+    (tmp_path / "unusedpkg").mkdir()
+    (tmp_path / "unusedpkg" / "__init__.py").write_text("")
+    targets = ",".join([
+        "fakerl.los:compute_advantages_and_returns(rollout_data)",  # no such package
+        "unusedpkg.mod:f(x)",  # a package this job never imports
+        "argjob:takes_namespace(args)",
+        "argjob:never_called(rollout_data)",
+        "argjob:takes_tensors(rollout_data)",
+    ])
+    result = run("main.py", cwd=tmp_path, env={"KVGUARD": "record", "KVGUARD_TARGETS": targets,
+                                                 "KVGUARD_KEYS": "kll,kl"})
+    assert result.returncode == 0 and result.stdout == "job done\n"
+    assert result.stderr.splitlines() == [
+        "kvguard: 1 guarded call, 1 event at 1 distinct site",
+        "kvguard: target fakerl.los:compute_advantages_and_returns was never imported "
+        "(no module named 'fakerl')",
+        "kvguard: target unusedpkg.mod:f was never imported (it exists, but this process never imported it)",
+        "kvguard: target argjob:takes_namespace(args): args was never guarded in 2 calls: it held "
+        "argparse.Namespace, and kvguard guards dicts, lists, tuples and tensors",
+        "kvguard: target argjob:never_called(rollout_data) was never called",
+        "kvguard: KVGUARD_KEYS names 'kll', which no guarded argument ever held (they held kl, log_probs)",
+        "kvguard: KVGUARD=record kept 1 event in memory only; set KVGUARD_REPORT_DIR=DIR to write them "
+        "to files, or use KVGUARD=warn to print them",
+    ]
+
+
+def test_a_misspelled_submodule_is_named(tmp_path: Path) -> None:
+    (tmp_path / "fakerl").mkdir()
+    (tmp_path / "fakerl" / "__init__.py").write_text("")
+    (tmp_path / "fakerl" / "loss.py").write_text("def compute(rollout_data):\n    pass\n")
+    (tmp_path / "job.py").write_text("import fakerl.loss\nfakerl.loss.compute({})\n")
+    result = run("job.py", cwd=tmp_path, env={"KVGUARD": "warn", "KVGUARD_TARGETS": "fakerl.los:compute(rollout_data)"})
+    assert result.stderr == ("kvguard: 0 guarded calls, 0 events at 0 distinct sites\n"
+                             "kvguard: target fakerl.los:compute was never imported (no module named 'fakerl.los')\n")
+
+
+@pytest.mark.parametrize("where", ["file", "under-file"])
+def test_an_unusable_report_dir_is_one_line_at_start_and_the_job_runs_on(tmp_path: Path, where: str) -> None:
+    blocker = tmp_path / "reports"
+    blocker.write_text("not a directory")
+    report_dir = blocker if where == "file" else blocker / "sub"
+    reason = "it is a file, not a directory" if where == "file" else "Not a directory"
+    result = run("train.py", env={"KVGUARD": "record", "KVGUARD_TARGETS": TARGET,
+                                  "KVGUARD_REPORT_DIR": str(report_dir)})
+    assert result.returncode == 0 and "train done" in result.stdout
+    assert result.stderr == (f"kvguard: KVGUARD_REPORT_DIR={str(report_dir)!r} cannot be used ({reason}); "
+                             "the job runs on without report files\n"
+                             "kvguard: 2 guarded calls, 4 events at 2 distinct sites\n"
+                             "kvguard: KVGUARD=record kept 4 events in memory only; set KVGUARD_REPORT_DIR=DIR "
+                             "to write them to files, or use KVGUARD=warn to print them\n")
+
+
+def test_a_report_dir_that_breaks_mid_job_never_replaces_the_mutation_error(tmp_path: Path) -> None:
+    reports = tmp_path / "reports"
+    (tmp_path / "job.py").write_text(textwrap.dedent(f"""
+        import os, shutil, torch
+        import trainer_loss
+        shutil.rmtree({str(reports)!r})
+        open({str(reports)!r}, "w").close()  # the directory became a file after start-up
+        try:
+            trainer_loss.compute_advantages_and_returns(None, trainer_loss.make_rollout())
+        except Exception as exc:
+            print(type(exc).__name__)
+    """))
+    result = run(str(tmp_path / "job.py"), env={"KVGUARD": "raise", "KVGUARD_TARGETS": TARGET,
+                                                "KVGUARD_REPORT_DIR": str(reports)})
+    assert result.stdout == "MutationError\n"
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith(f"kvguard: writing report files to {str(reports)!r} failed (")
+    assert lines[0].endswith("); it gets no further events")
+    assert lines[1:] == ["kvguard: 1 guarded call, 1 event at 1 distinct site"]
+
+
+def test_warn_under_w_error_runs_the_job_to_the_end() -> None:
+    for flags in (["-W", "error"], []):
+        env = {"KVGUARD": "warn", "KVGUARD_TARGETS": TARGET}
+        if not flags:
+            env["PYTHONWARNINGS"] = "error"
+        result = run(*flags, "train.py", env=env)
+        assert result.returncode == 0, result.stderr
+        assert "train done" in result.stdout
+        assert "rollout_data['kl'][0] was modified in place by aten.mul_.Tensor" in result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_pytest_says_when_activation_did_not_run(tmp_path: Path) -> None:
+    """A source checkout on PYTHONPATH with `python -S`: no .pth ran, the plugin says how to fix it."""
+    (tmp_path / "test_x.py").write_text("def test_x():\n    pass\n")
+    site = sysconfig.get_paths()["purelib"]
+    result = subprocess.run(
+        [sys.executable, "-S", "-m", "pytest", "-q", "test_x.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith(("KVGUARD", "PYTHON"))},
+             "PYTHONPATH": os.pathsep.join([str(ROOT), site]), "KVGUARD": "warn", "KVGUARD_TARGETS": TARGET})
+    assert "1 passed" in result.stdout, result.stdout + result.stderr
+    assert ("kvguard: KVGUARD is set but kvguard was not activated in this interpreter (no kvguard.pth ran), "
+            "so KVGUARD_TARGETS is not guarded; run 'python -m kvguard install-pth' once in this environment, "
+            "or launch with 'python -m kvguard run -- ...'") in result.stderr
+
+
+def test_a_target_in_the_main_script_says_so(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text("def compute(rollout_data):\n    pass\n\ncompute({})\n")
+    result = run("job.py", cwd=tmp_path, env={"KVGUARD": "warn", "KVGUARD_TARGETS": "job:compute(rollout_data)"})
+    assert result.stderr == (
+        "kvguard: 0 guarded calls, 0 events at 0 distinct sites\n"
+        "kvguard: target job:compute was never imported (job.py ran as the main script, __main__, and "
+        "kvguard guards modules as they are imported: import it from a small launcher script)\n")
+
+
+def test_static_and_class_method_targets(tmp_path: Path) -> None:
+    (tmp_path / "methods.py").write_text(textwrap.dedent("""
+        import torch
+
+        class Loss:
+            @staticmethod
+            def shape(rollout_data):
+                rollout_data["kl"].mul_(2)
+
+            @classmethod
+            def shape_cls(cls, rollout_data):
+                rollout_data["kl"].add_(1)
+
+    """))
+    (tmp_path / "main.py").write_text(textwrap.dedent("""
+        import torch
+        from methods import Loss
+
+        Loss.shape({"kl": torch.ones(2)})
+        Loss().shape({"kl": torch.ones(2)})
+        Loss.shape_cls({"kl": torch.ones(2)})
+    """))
+    result = run("main.py", cwd=tmp_path, env={
+        "KVGUARD": "record", "KVGUARD_REPORT_DIR": str(tmp_path / "r"),
+        "KVGUARD_TARGETS": "methods:Loss.shape(rollout_data),methods:Loss.shape_cls(rollout_data)"})
+    assert result.stderr == "kvguard: 3 guarded calls, 3 events at 2 distinct sites\n"
+
+
+def test_kvguard_exports_guard_warning() -> None:
+    assert issubclass(kvguard.GuardWarning, UserWarning) and kvguard.GuardWarning.__module__ == "kvguard"
