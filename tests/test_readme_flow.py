@@ -1,0 +1,55 @@
+"""The README in order: the demo's wheel install, then the test command's editable install
+in the same environment, then the env-var section's own commands, exactly as written.
+
+One fresh venv gets `pip install .` and then `pip install -e .` (the two "Try it"
+commands, without re-downloading torch: dependencies come from this environment through
+a path file). The env-var example must then guard the job, activated only by `KVGUARD*`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _readme_block(after: str) -> str:
+    """The first ```bash block after the line containing `after`."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index(after)
+    match = re.search(r"```bash\n(.*?)```", text[start:], re.S)
+    assert match, f"no bash block after {after!r}"
+    return match.group(1)
+
+
+def test_demo_then_tests_then_env_var_section(tmp_path: Path) -> None:
+    home = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(home)
+    python = home / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps"]
+    subprocess.run([*pip, str(ROOT)], check=True, capture_output=True, cwd=tmp_path)  # the demo command's
+    subprocess.run([*pip, "-e", str(ROOT)], check=True, capture_output=True, cwd=tmp_path)  # the test command's
+    (site / "00-test-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    assert (site / "kvguard.pth").exists(), "the editable install removed the wheel's kvguard.pth"
+
+    block = _readme_block("`examples/unchanged_job/` is a tiny RL job")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGUARD", "PYTHON", "VIRTUAL_ENV"))}
+    env["PATH"] = f"{home / 'bin'}{os.pathsep}{env['PATH']}"  # `. .venv/bin/activate`
+    result = subprocess.run(["bash", "-c", "set -e\n" + block], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    try:
+        assert "rollout_data['kl'][0] was modified in place by aten.mul_.Tensor" in result.stderr, result.stderr
+        assert "kvguard: 2 guarded calls" in result.stderr
+        assert "rollout_data['kl'][0]" in result.stdout  # `kvguard report reports`: the table
+    finally:
+        subprocess.run(["rm", "-rf", str(ROOT / "examples" / "unchanged_job" / "reports")], check=False)
