@@ -334,3 +334,33 @@ def test_an_uncaught_error_traceback_ends_at_the_users_line(tmp_path: Path) -> N
     assert frames[-1].startswith(f'File "{script}", line 6, in shape'), result.stderr
     assert not any("kvguard" in f.split('"')[1] or "torch" in f.split('"')[1] for f in frames), result.stderr
     assert "kvguard.MutationError: rd['kl'][0] would be modified in place by aten.mul_.Tensor" in result.stderr
+
+
+def test_a_guard_exited_on_another_thread_stops_acting() -> None:
+    import threading
+
+    rd = {"k": torch.ones(2)}
+    g = kvguard.guard(rd, name="rd", action="raise")
+    g.__enter__()
+    mode = torch._C._get_dispatch_stack_at(0)
+    errors: list[BaseException] = []
+
+    def leave() -> None:
+        try:
+            g.__exit__(None, None, None)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    worker = threading.Thread(target=leave)
+    worker.start()
+    worker.join()
+    try:
+        assert errors == []
+        rd["k"].add_(1)  # the mode is still on this thread's stack, but inert
+        assert torch.equal(rd["k"], torch.full((2,), 2.0)) and g.report.ok
+    finally:
+        assert torch._C._get_dispatch_stack_at(0) is mode  # unreachable from the other thread
+        mode.__exit__(None, None, None)  # what only this thread can do
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+    assert not is_in_torch_dispatch_mode()
