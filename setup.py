@@ -65,5 +65,7 @@ if editable_wheel is not None and hasattr(editable_wheel, "_select_strategy"):
 setup(
     cmdclass=cmdclass,
     # Optional: without a compiler the package installs and uses the same check in Python.
-    ext_modules=[Extension("kvguard._speedups", ["kvguard/_speedups.c"], optional=True)],
+    ext_modules=[Extension("kvguard._speedups", ["kvguard/_speedups.c"], optional=True),
+                 Extension("kvguard._digest_c", ["kvguard/_digest_c.c"], optional=True,
+                           extra_compile_args=["-O3"])],
 )

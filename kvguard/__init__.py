@@ -8,6 +8,7 @@
 Importing kvguard does not import torch; the engine loads when a guard is entered.
 """
 
+from kvguard._allow import allow as allow
 from kvguard._errors import ConfigError as ConfigError
 from kvguard._errors import GuardWarning as GuardWarning
 from kvguard._errors import MutationError as MutationError
@@ -20,7 +21,7 @@ from kvguard._guard import guarded as guarded
 
 __version__ = "0.1.0"
 __all__ = ["ConfigError", "Guard", "GuardReport", "GuardWarning", "MutationError", "MutationEvent",
-           "MutationWarning", "guard", "guarded"]
+           "MutationWarning", "allow", "guard", "guarded"]
 
 # Re-exports look native: tracebacks and reprs say kvguard.MutationError.
 for _name in __all__:

@@ -1,7 +1,8 @@
 """`python -m kvguard`: run a command with kvguard on, render report files, manage the .pth.
 
     python -m kvguard run [--action warn] [--targets T] [--report-dir D] -- CMD ...
-    python -m kvguard report DIR_OR_FILE      exit status 1 when there are events
+    python -m kvguard report DIR_OR_FILE [--by site|event] [--run ID] [--rank R] [--json]
+        exit status 0: every run clean; 1: events; 2: no run found (or only malformed input)
     python -m kvguard install-pth | uninstall-pth
 """
 
@@ -14,7 +15,7 @@ import sys
 from typing import Any, Optional
 
 import kvguard
-from kvguard import _config, _pth
+from kvguard import _config, _pth, _ranks
 from kvguard._errors import ConfigError
 
 _BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
@@ -30,8 +31,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     run.add_argument("--report-dir", help="write kvguard-rank<R>.jsonl here (default: $KVGUARD_REPORT_DIR)")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
 
-    report = sub.add_parser("report", help="render per-rank report files as one table")
+    report = sub.add_parser("report", help="one table per run across ranks and calls: a row per site")
     report.add_argument("path", help="a report directory or one kvguard-rank<R>.jsonl file")
+    report.add_argument("--by", choices=("site", "event"), default="site",
+                        help="a row per site (code line and op; the default) or per event in the files")
+    report.add_argument("--run", metavar="ID", help="only this run id")
+    report.add_argument("--rank", type=int, metavar="R", help="only the processes of this rank")
+    report.add_argument("--json", action="store_true", help="print the runs as JSON")
     report.add_argument("--width", type=int, default=None)
 
     sub.add_parser("install-pth", help="activate on KVGUARD in this environment (for editable installs)")
@@ -54,7 +60,7 @@ def _command(opts: Any) -> int:
     if opts.command == "run":
         return _run(opts)
     if opts.command == "report":
-        return _report(opts.path, opts.width)
+        return _report(opts)
     if opts.command == "install-pth":
         print(f"kvguard: wrote {_pth.install()}")
         return 0
@@ -84,6 +90,7 @@ def _run(opts: Any) -> int:
                           "--targets" if opts.targets else _config.env_source("KVGUARD_TARGETS"))
     if opts.report_dir:
         env["KVGUARD_REPORT_DIR"] = os.path.abspath(opts.report_dir)
+    env.setdefault("KVGUARD_RUN_ID", _ranks.new_run_id())  # one run id for every process of the command
     # Bootstrap first, then the directory kvguard is imported from (a source checkout).
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(kvguard.__file__)))
     env["PYTHONPATH"] = os.pathsep.join(
@@ -95,15 +102,39 @@ def _run(opts: Any) -> int:
     return 127  # not reached
 
 
-def _report(path: str, width: Optional[int]) -> int:
-    from kvguard import _reportfile
-    from kvguard._render import report_table
+def _report(opts: Any) -> int:
+    """Print the runs in the files; 0: every run clean, 1: events, 2: no run found."""
+    import json
 
-    records, problems = _reportfile.read(path)
-    for problem in problems:
-        print(f"kvguard: {problem}", file=sys.stderr)
-    print(report_table(records, width=width))
-    return 1 if records else 0
+    from kvguard import _reportread
+    from kvguard._render import run_report
+    from kvguard._reportfile import SCHEMA
+    from kvguard._tally import plural
+
+    runs, skipped = _reportread.load(opts.path)
+    for bad in skipped:
+        print(f"kvguard: skipped {plural(bad.count, 'malformed line')} in {bad.file} (first, {bad.first})",
+              file=sys.stderr)
+    selected = _reportread.select(runs, opts.run, opts.rank)
+    described = [_reportread.describe(run, opts.by) for run in selected]
+    if opts.json:
+        print(json.dumps({"schema": SCHEMA, "runs": described, "skipped": [vars(bad) for bad in skipped]}, indent=1))
+    elif described:
+        print("\n\n".join(run_report(run, width=opts.width) for run in described))
+    if not selected:
+        print(f"kvguard: {_nothing_found(opts, runs)}", file=sys.stderr)
+        return 2
+    statuses = {run["status"] for run in described}
+    return 1 if "events" in statuses else 2 if "unproven" in statuses else 0
+
+
+def _nothing_found(opts: Any, runs: list[Any]) -> str:
+    if not runs:
+        return f"no kvguard report records in {opts.path}"
+    named = ", ".join(run.id for run in runs[-5:])
+    if opts.run is not None and all(run.id != opts.run for run in runs):
+        return f"no run {opts.run!r} in {opts.path}; it holds {named}"
+    return f"no records of rank {opts.rank} in {opts.path}" + (f" for run {opts.run!r}" if opts.run else "")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ Precedence, lowest first:
   4) command line (`--kvguard`)
   5) the `kvguard` marker, or keyword arguments in code
 Bad values raise `ConfigError` naming where they came from.
+
+`KVGUARD_REPORT_DIR` and `KVGUARD_MAX_EVENTS` apply to every guard in the process,
+activated from the environment or not; the other variables to env targets only.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ ACTIONS = ("raise", "warn", "record")
 _ACTION_ALIASES = {"": OFF, "0": OFF, "off": OFF, "false": OFF, "no": OFF,
                    "1": "warn", "on": "warn", "true": "warn", "yes": "warn",
                    "warn": "warn", "raise": "raise", "record": "record"}
+DEFAULT_MAX_EVENTS = 100  # per process: ~70 KB of report file, ~100 events per guard in memory
 _TARGET = re.compile(r"^\s*([A-Za-z_][\w.]*):([A-Za-z_][\w.]*)\(\s*([A-Za-z_]\w*)\s*\)\s*$")
 
 
@@ -38,14 +42,44 @@ class Target:
 
 
 @dataclasses.dataclass(frozen=True)
+class Calls:
+    """Which calls of a target are guarded (`KVGUARD_CALLS`), numbered from 1."""
+
+    kind: str = "all"  # all | first | every | range
+    low: int = 1
+    high: int = 0
+
+    def selects(self, call: int) -> bool:
+        if self.kind == "first":
+            return call <= self.high
+        if self.kind == "every":
+            return (call - 1) % self.low == 0
+        if self.kind == "range":
+            return self.low <= call <= self.high
+        return True
+
+    def __str__(self) -> str:
+        return {"all": "all", "first": f"first:{self.high}", "every": f"every:{self.low}",
+                "range": f"{self.low}-{self.high}"}[self.kind]
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
-    """What env activation does: the action, the targets, where reports go."""
+    """What env activation does: the action, the targets, where reports go, what is allowed."""
 
     action: str = OFF
     targets: tuple[Target, ...] = ()
     report_dir: Optional[str] = None
     keys: Optional[tuple[str, ...]] = None
     ignore: tuple[str, ...] = ()
+    allow: tuple[str, ...] = ()
+    calls: Calls = Calls()
+
+    def as_record(self) -> dict[str, object]:
+        """The settings as plain JSON values, for report headers."""
+        return {"action": self.action, "targets": [str(t) for t in self.targets], "report_dir": self.report_dir,
+                "keys": list(self.keys) if self.keys is not None else None, "ignore": list(self.ignore),
+                "allow": list(self.allow), "calls": str(self.calls)}
 
     @property
     def active(self) -> bool:
@@ -81,6 +115,36 @@ def parse_targets(value: str, source: str = env_source("KVGUARD_TARGETS")) -> tu
     return tuple(targets)
 
 
+_CALLS = re.compile(r"^(?:(first|every):(\d+)|(\d+)-(\d+)|all)$")
+
+
+def parse_calls(value: str, source: str = env_source("KVGUARD_CALLS")) -> Calls:
+    """`first:N`, `every:N` (calls 1, N+1, 2N+1, ...), `N-M` or `all`; names `source` on error."""
+    spelled = value.strip().lower()
+    if not spelled:
+        return Calls()
+    match = _CALLS.match(spelled)
+    numbers = [int(n) for n in match.groups() if n is not None and n.isdigit()] if match else []
+    if match is None or 0 in numbers or (match.group(3) and numbers[0] > numbers[1]):
+        raise ConfigError(f"invalid call selection {value.strip()!r} in {source}; expected first:N, every:N, "
+                          "N-M (call numbers from 1, N <= M) or all")
+    if match.group(1) == "first":
+        return Calls("first", high=numbers[0])
+    if match.group(1) == "every":
+        return Calls("every", low=numbers[0])
+    return Calls("range", numbers[0], numbers[1]) if numbers else Calls()
+
+
+def parse_max_events(value: Optional[str], source: str = env_source("KVGUARD_MAX_EVENTS")) -> Optional[int]:
+    """The cap on events kept per process, or None when unset; names `source` on error."""
+    if value is None or not value.strip():
+        return None
+    if not value.strip().isdigit():
+        raise ConfigError(f"invalid event cap {value.strip()!r} in {source}; expected a whole number "
+                          f"(0 keeps none; default {DEFAULT_MAX_EVENTS})")
+    return int(value)
+
+
 def _keys(value: Optional[str]) -> Optional[tuple[str, ...]]:
     if value is None or not value.strip():
         return None
@@ -88,11 +152,16 @@ def _keys(value: Optional[str]) -> Optional[tuple[str, ...]]:
 
 
 def from_env(environ: Mapping[str, str]) -> Settings:
-    """Settings from `KVGUARD`, `KVGUARD_TARGETS`, `KVGUARD_REPORT_DIR`, `KVGUARD_KEYS`, `KVGUARD_IGNORE`."""
+    """Settings from `KVGUARD` and the `KVGUARD_*` variables; every value is checked here."""
+    from kvguard._allow import parse_patterns
+
     action = parse_action(environ.get("KVGUARD", ""), "the KVGUARD environment variable")
     if action == OFF:
         return Settings()
     targets = parse_targets(environ.get("KVGUARD_TARGETS", ""))
     report_dir = environ.get("KVGUARD_REPORT_DIR") or None
+    parse_max_events(environ.get("KVGUARD_MAX_EVENTS"))  # read by every guard; checked once here
     return Settings(action, targets, report_dir, _keys(environ.get("KVGUARD_KEYS")),
-                    _keys(environ.get("KVGUARD_IGNORE")) or ())
+                    _keys(environ.get("KVGUARD_IGNORE")) or (),
+                    parse_patterns(environ.get("KVGUARD_ALLOW", ""), env_source("KVGUARD_ALLOW")),
+                    parse_calls(environ.get("KVGUARD_CALLS", "")))

@@ -1,19 +1,26 @@
 """Text summaries of a tensor's values, and the diff between two versions of it.
 
 Called only on a protected write, never on the hot path. Everything returned is a
-string; the snapshot tensor lives only until the guard exits.
+string. A write is compared over the elements it can change (flat index ranges from
+`_torch.flat_ranges`): the copy taken before it holds only those, and every pass over
+the values goes CHUNK elements at a time, so the extra memory is that copy plus a few MB.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import sys
-from typing import Any, Callable, Concatenate, NamedTuple, Optional, ParamSpec, TypeVar
+from typing import (Any, Callable, Concatenate, Iterator, NamedTuple, Optional, ParamSpec, Sequence,
+                    TypeVar)
 
 import torch
 
+from kvguard import _torch
+
 SHOW_VALUES = 4  # sample values shown in a summary or a diff
-MAX_SNAPSHOT_NUMEL = 1 << 24  # larger tensors: the diff covers the first 16M elements
+CHUNK = 1 << 18  # elements per step of a pass over the values: temporaries stay a few MB
+MAX_SNAPSHOT_BYTES = 1 << 30  # a bigger write is compared over its first 1 GiB, and says so
 MAX_WHY_CHARS = 160  # of an exception's first line, in a "values not summarised" text
 
 NO_COPY = "no copy of the values from before the write"
@@ -21,6 +28,7 @@ NO_COPY = "no copy of the values from before the write"
 P = ParamSpec("P")
 R = TypeVar("R")
 Summary = Callable[Concatenate[torch.Tensor, P], R]
+Ranges = Sequence[tuple[int, int]]  # flat index ranges [i, j) of a tensor, sorted, disjoint
 
 _DTYPE_SHORT = {
     torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
@@ -109,31 +117,142 @@ def _as_dtensor(t: torch.Tensor) -> Any:
 
 
 class _Data(NamedTuple):
-    """A tensor's values as a flat plain tensor, and how to name an index into it."""
+    """A tensor's values as plain strided tensors, and how to name them."""
 
-    flat: torch.Tensor
-    shape: Optional[torch.Size]  # for `[i, j]` indices; None: flat indices into `flat`
-    noun: str  # what `flat` holds: "elements", or "stored values" of a sparse tensor
+    tensor: torch.Tensor  # the values in the tensor's own row-major order (what `values` shows)
+    view: torch.Tensor  # the same, dims permuted into memory order: what passes and copies read
+    order: Optional[tuple[int, ...]]  # view = tensor.permute(order); None: the same order
+    labelled: bool  # indices print as `[i, j]`; else as `#i`, flat into the stored values
+    noun: str  # what they are: "elements", or "stored values" of a sparse tensor
+    indexed: bool  # the index ranges of `_torch.flat_ranges` (in memory order) apply
+    dequantize: bool  # stored quantized: each piece is dequantized as it is read
 
 
 def _data(t: torch.Tensor) -> _Data:
     """The values that can be read cheaply: a DTensor's local shard, a nested or sparse
-    tensor's stored values, a quantized tensor dequantized; no communication, ever."""
+    tensor's stored values, a quantized tensor's values; no copy, no communication, ever."""
     dtensor = _as_dtensor(t)
     if dtensor is not None:
-        t = dtensor.to_local()  # never full_tensor(): that is a collective, other ranks may not join
+        local = dtensor.to_local().detach()  # never full_tensor(): a collective, other ranks may not join
+        return _Data(local, local, None, True, "elements", False, False)
     t = t.detach()
     if t.is_nested:
-        return _Data(t.values().reshape(-1), None, "elements")
+        return _Data(t.values(), t.values(), None, False, "elements", False, False)
     if t.layout == torch.sparse_coo:
-        return _Data(t._values().reshape(-1), None, "stored values")
+        return _Data(t._values(), t._values(), None, False, "stored values", False, False)
     if t.layout != torch.strided:  # compressed sparse layouts
-        return _Data(t.values().reshape(-1), None, "stored values")
+        return _Data(t.values(), t.values(), None, False, "stored values", False, False)
     if t.device.type == "meta":
         raise ValueError("a meta tensor holds no data")
-    if t.is_quantized:
-        t = t.dequantize()
-    return _Data(t.reshape(-1), t.shape, "elements")
+    order = None if t.is_quantized else _torch.memory_order(t)
+    if order == tuple(range(t.dim())):
+        order = None
+    view = t if order is None else t.permute(order)
+    return _Data(t, view, order, True, "elements", True, t.is_quantized)
+
+
+def _value_dtype(data: _Data) -> torch.dtype:
+    return torch.float32 if data.dequantize else data.view.dtype
+
+
+def _to_flat(i: int, data: _Data) -> int:
+    """An index into `data.view`'s row-major order, as an index into the tensor's own."""
+    if data.order is None:
+        return i
+    coords = [0] * len(data.order)
+    for d, c in zip(data.order, _unravel(i, data.view.shape)):
+        coords[d] = c
+    return _ravel(coords, data.tensor.shape)
+
+
+def _to_view(i: int, data: _Data) -> int:
+    """An index into the tensor's own row-major order, as one into `data.view`'s."""
+    if data.order is None:
+        return i
+    coords = _unravel(i, data.tensor.shape)
+    return _ravel([coords[d] for d in data.order], data.view.shape)
+
+
+def _unravel(i: int, shape: Sequence[int]) -> list[int]:
+    coords = []
+    for n in reversed(shape):
+        coords.append(i % n if n else 0)
+        i //= n if n else 1
+    return coords[::-1]
+
+
+def _ravel(coords: Sequence[int], shape: Sequence[int]) -> int:
+    i = 0
+    for c, n in zip(coords, shape):
+        i = i * n + c
+    return i
+
+
+def _pieces(t: torch.Tensor, start: int, stop: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """Views of `t` that cover its row-major elements `[start, stop)` in order, each at most
+    CHUNK elements, as (flat index of the first, view): one pass in bounded temporaries."""
+    if t.dim() == 0:
+        if start < stop:
+            yield 0, t.reshape(1)
+        return
+    yield from _walk(t, 0, start, stop)
+
+
+def _walk(t: torch.Tensor, base: int, start: int, stop: int) -> Iterator[tuple[int, torch.Tensor]]:
+    if start >= stop:
+        return
+    inner = math.prod(t.shape[1:])  # elements per index of the first dim
+    row = start // inner
+    if start % inner:  # a partial first row
+        end = min(stop, (row + 1) * inner)
+        yield from _walk(t[row], base + row * inner, start - row * inner, end - row * inner)
+        start, row = end, row + 1
+        if start >= stop:
+            return
+    full_end = stop // inner
+    if inner > CHUNK:
+        for r in range(row, full_end):
+            yield from _walk(t[r], base + r * inner, 0, inner)
+    else:
+        step = CHUNK // inner
+        for r in range(row, full_end, step):
+            yield base + r * inner, t[r:min(r + step, full_end)]
+    if stop % inner:  # a partial last row
+        yield from _walk(t[full_end], base + full_end * inner, 0, stop - full_end * inner)
+
+
+def _read(data: _Data, piece: torch.Tensor) -> torch.Tensor:
+    return piece.dequantize() if data.dequantize else piece
+
+
+def _ranges(data: _Data, ranges: Optional[Ranges]) -> list[tuple[int, int]]:
+    """The written index ranges, or all the values when they do not apply to `data`."""
+    if ranges is None or not data.indexed:
+        return [(0, data.view.numel())]
+    return [(int(i), int(j)) for i, j in ranges]
+
+
+def _segments(data: _Data, spans: list[tuple[int, int]], limit: int
+              ) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(position in a copy of the spans, index into `data.view`, piece) over the first `limit`."""
+    pos = 0
+    for i, j in spans:
+        take = min(j - i, limit - pos)
+        if take <= 0:
+            return
+        for index, piece in _pieces(data.view, i, i + take):
+            yield pos + index - i, index, piece
+        pos += take
+
+
+def _position(i: int, spans: list[tuple[int, int]]) -> Optional[int]:
+    """Where the value at view index `i` sits in a copy of `spans`, if it is in one."""
+    pos = 0
+    for lo, hi in spans:
+        if lo <= i < hi:
+            return pos + i - lo
+        pos += hi - lo
+    return None
 
 
 def _no_copy(why: str) -> Optional[torch.Tensor]:
@@ -141,100 +260,276 @@ def _no_copy(why: str) -> Optional[torch.Tensor]:
 
 
 @_never_raises(_no_copy)
-def snapshot(t: torch.Tensor) -> Optional[torch.Tensor]:
-    """A detached copy of (at most the first MAX_SNAPSHOT_NUMEL of) `t`'s readable values."""
-    return _data(t).flat[:MAX_SNAPSHOT_NUMEL].clone()
+def snapshot(t: torch.Tensor, ranges: Optional[Ranges] = None) -> Optional[torch.Tensor]:
+    """A detached copy of `t`'s values in the index `ranges` (default: all), one after
+    the other, read a chunk at a time; at most MAX_SNAPSHOT_BYTES of them.
+
+    `ranges` index `t`'s values in memory order (`_torch.memory_order`, `_torch.flat_ranges`).
+    """
+    data = _data(t)
+    spans = _ranges(data, ranges)
+    limit = max(1, MAX_SNAPSHOT_BYTES // _value_dtype(data).itemsize)
+    copy = torch.empty(min(sum(j - i for i, j in spans), limit), dtype=_value_dtype(data),
+                       device=data.view.device)
+    for pos, _, piece in _segments(data, spans, copy.numel()):
+        copy[pos:pos + piece.numel()].view(piece.shape).copy_(_read(data, piece))
+    return copy
 
 
 @_never_raises(_no_copy)
-def advance(t: torch.Tensor, before: torch.Tensor) -> Optional[torch.Tensor]:
+def advance(t: torch.Tensor, before: torch.Tensor, ranges: Optional[Ranges] = None) -> Optional[torch.Tensor]:
     """Move a snapshot to `t`'s current values, in place when the layout allows."""
-    flat = _data(t).flat[: before.numel()]
-    if flat.shape == before.shape and flat.dtype == before.dtype:
-        return before.copy_(flat)
-    return snapshot(t)
+    data = _data(t)
+    spans = _ranges(data, ranges)
+    if _layout_changed(data, before, spans):
+        return snapshot(t, ranges)
+    for pos, _, piece in _segments(data, spans, before.numel()):
+        before[pos:pos + piece.numel()].view(piece.shape).copy_(_read(data, piece))
+    return before
 
 
 @_never_raises(_not_summarised)
-def values(t: torch.Tensor, around: int = 0) -> str:
-    """A few values from flat index `around` on: `[0.125, -0.5, 0.3, 1 … (+1020)]`."""
-    flat = _data(t).flat
-    start = max(0, min(around, flat.numel() - SHOW_VALUES))
-    shown = ", ".join(_fmt(v) for v in flat[start:start + SHOW_VALUES].tolist())
+def values(t: torch.Tensor, around: int = 0, *, before: Optional[torch.Tensor] = None,
+           ranges: Optional[Ranges] = None) -> str:
+    """A few values from flat index `around` on: `[0.125, -0.5, 0.3, 1 … (+1020)]`.
+
+    With `before` (a `snapshot` of the index `ranges`), the values it holds stand in for
+    `t`'s own: the values as they were before a write that changed only those ranges.
+    """
+    data = _data(t)
+    numel = data.tensor.numel()
+    start = max(0, min(around, numel - SHOW_VALUES))
+    stop = min(numel, start + SHOW_VALUES)
+    parts = [_read(data, piece).reshape(-1) for _, piece in _pieces(data.tensor, start, stop)]
+    shown = torch.cat(parts) if parts else torch.empty(0, dtype=_value_dtype(data))
+    if before is not None:
+        shown, spans = shown.clone(), _ranges(data, ranges)
+        for i in range(start, stop):
+            pos = _position(_to_view(i, data), spans)
+            if pos is not None and pos < before.numel():
+                shown[i - start] = before[pos]
+    text = ", ".join(_fmt(v) for v in shown.tolist())
     head = f"(+{start}) … " if start else ""
-    rest = flat.numel() - start - SHOW_VALUES
-    return f"[{head}{shown}{f' … (+{rest})' if rest > 0 else ''}]"
+    rest = numel - start - SHOW_VALUES
+    return f"[{head}{text}{f' … (+{rest})' if rest > 0 else ''}]"
+
+
+class _Changes:
+    """What one pass over the written values found (see `_compare`)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.samples: list[tuple[int, Any, Any]] = []  # (view index, before, after), the first few
+        self.max_delta: Optional[float] = None  # from chunks compared in float64
+        self.screened: Optional[float] = None  # largest exact |Δ| among the screened maxima
+        self.flips = 0
+
+
+# Dtypes whose `-` and `abs` run natively and round monotonically: |Δ| is screened in
+# them, and only the elements that reach a chunk's maximum are redone in float64.
+_SCREEN = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+# Signed dtypes with native comparisons, and the integer dtype that shows their sign bit.
+_SIGN_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+              torch.float64: torch.int64, torch.int8: torch.int8, torch.int16: torch.int16,
+              torch.int32: torch.int32, torch.int64: torch.int64}
+
+
+def _compare(data: _Data, before: torch.Tensor, spans: list[tuple[int, int]], first_only: bool) -> _Changes:
+    """Count and describe the changes from `before`, CHUNK values at a time (one pass).
+
+    NaN staying NaN is no change. Float chunks take the fast route: `|after - before|`
+    in the stored dtype, whose maximum is not NaN exactly when no NaN (or inf staying inf)
+    is in the chunk, and then a value changed iff its |Δ| is not 0. Other chunks and dtypes
+    use only `!=`, `isnan`, `nonzero` and conversions, which every dtype has (float8 and
+    uint16-64 lack `<` and `-`), and take magnitudes in float64 (complex128).
+    """
+    found = _Changes()
+    dtype = before.dtype
+    floating = dtype.is_floating_point or dtype.is_complex
+    signed = dtype.is_signed and not dtype.is_complex
+    screen_top = -1.0  # the largest screened |Δ| so far
+    alike = False  # whether every value one step either side of screen_top prints the same
+    # Temporaries reused from chunk to chunk: allocating them afresh costs as much as the math.
+    scratch = torch.empty(min(CHUNK, before.numel()), dtype=dtype, device=before.device) if (
+        dtype in _SCREEN) else None
+    for pos, index, piece in _segments(data, spans, before.numel()):
+        after = _read(data, piece).reshape(-1)  # a copy only for pieces that are not dense
+        was = before[pos:pos + after.numel()]
+        if scratch is not None:
+            delta = torch.sub(after, was, out=scratch[:after.numel()]).abs_()
+            top = float(delta.max())
+            if not math.isnan(top):
+                count = int(delta.count_nonzero())
+                if not count:
+                    continue
+                found.count += count
+                _sample(found, delta, was, after, index)
+                if first_only:
+                    return found
+                if top > screen_top or top == screen_top and not alike:
+                    # Rounding is monotone: the exact max is among the values at `top`, all
+                    # within one step of it. Where both neighbours print alike, so does it.
+                    alike = dtype == torch.float64 or _prints_alike(top, dtype)
+                    exact = top if alike else _exact_max(was, after, delta == top)
+                    found.screened = exact if top > screen_top or found.screened is None else max(
+                        found.screened, exact)
+                    screen_top = top
+                if signed:
+                    found.flips += _flips(was, after, no_nan=True, scratch=delta)
+                continue
+        changed = was != after
+        if floating:
+            changed &= ~(was.isnan() & after.isnan())
+        count = int(changed.count_nonzero())
+        if not count:
+            continue
+        found.count += count
+        _sample(found, changed, was, after, index)
+        if first_only:
+            return found
+        if dtype == torch.bool:
+            continue
+        found.max_delta = _max_of(found.max_delta, _exact_max(was, after, changed))
+        if signed:
+            found.flips += _flips(was, after, no_nan=not floating)
+    if found.screened is not None:
+        found.max_delta = _max_of(found.max_delta, found.screened)
+    return found
+
+
+def _sample(found: _Changes, nonzero: torch.Tensor, was: torch.Tensor, after: torch.Tensor, index: int) -> None:
+    """Add the first changed values of a chunk (`nonzero` where changed) until SHOW_VALUES."""
+    need = SHOW_VALUES - len(found.samples)
+    if need <= 0:
+        return
+    size = 64  # look at a short prefix first: `nonzero` over a whole chunk is slow
+    while True:
+        idx = nonzero[:size].nonzero().reshape(-1)
+        if idx.numel() >= need or size >= nonzero.numel():
+            break
+        size *= 16
+    for i in idx[:need].tolist():
+        found.samples.append((index + i, was[i].item(), after[i].item()))
+
+
+def _prints_alike(top: float, dtype: torch.dtype) -> bool:
+    """Whether the values one step below and above `top` in `dtype` print the same."""
+    value = torch.tensor(top, dtype=dtype)
+    lo = torch.nextafter(value, torch.tensor(-math.inf, dtype=dtype)).item()
+    hi = torch.nextafter(value, torch.tensor(math.inf, dtype=dtype)).item()
+    return math.isfinite(lo) and math.isfinite(hi) and _fmt(lo) == _fmt(hi)
+
+
+_GATHER = 1 << 15  # changed values taken to float64 at a time
+
+
+def _exact_max(was: torch.Tensor, after: torch.Tensor, where: torch.Tensor) -> float:
+    """max |after - before| over `where`, in float64 (complex128)."""
+    wide = torch.complex128 if was.dtype.is_complex else torch.float64
+    best: Optional[float] = None
+    for idx in where.nonzero().reshape(-1).split(_GATHER):
+        best = _max_of(best, float((after[idx].to(wide) - was[idx].to(wide)).abs().max().item()))
+    assert best is not None, "called with no value to compare"
+    return best
+
+
+def _flips(was: torch.Tensor, after: torch.Tensor, no_nan: bool, scratch: Optional[torch.Tensor] = None) -> int:
+    """How many values went from > 0 to < 0 or back (signed dtypes); `scratch`: a free
+    tensor of `was`'s size and dtype, overwritten."""
+    bits = _SIGN_BITS.get(was.dtype)
+    if bits is not None and no_nan:  # screen: sign bits that differ (cheap, usually none)
+        xor = torch.bitwise_xor(was.view(bits), after.view(bits),
+                                out=None if scratch is None else scratch.view(bits))
+        differ = int(xor.lt_(0).count_nonzero())
+        if not differ:
+            return 0
+        if not int((was == 0).count_nonzero()) and not int((after == 0).count_nonzero()):
+            return differ
+    b, a = (was, after) if bits is not None else (was.double(), after.double())
+    return int(((b > 0) & (a < 0)).count_nonzero() + ((b < 0) & (a > 0)).count_nonzero())
+
+
+def _max_of(a: Optional[float], b: float) -> float:
+    if a is None:
+        return b
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
+def _layout_changed(data: _Data, before: torch.Tensor, spans: list[tuple[int, int]]) -> bool:
+    return (before.dtype != _value_dtype(data) or before.numel() > sum(j - i for i, j in spans)
+            or bool(spans) and spans[-1][1] > data.view.numel())
+
+
+def _start(data: _Data, spans: list[tuple[int, int]]) -> int:
+    """Where a write with no change starts: the first written value, as a flat index."""
+    return _to_flat(spans[0][0], data) if spans and spans[0][0] < spans[0][1] else 0
 
 
 @_never_raises(lambda why: 0)
-def first_change(t: torch.Tensor, before: Optional[torch.Tensor]) -> int:
-    """The flat index of the first element that differs from `before` (0 if none)."""
-    if before is None:
-        return 0
-    after = _data(t).flat[: before.numel()]
-    if after.shape != before.shape or after.dtype != before.dtype:
-        return 0
-    idx = _changed(before, after)
-    return int(idx[0]) if idx.numel() else 0
-
-
-def _changed(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """Flat indices where the values differ; NaN stays NaN is no change. Uses only `!=`,
-    `isnan` and `nonzero`, which every dtype has (float8 and uint16-64 lack `<`, `-`)."""
-    neq = before != after
-    if before.dtype.is_floating_point or before.dtype.is_complex:
-        neq &= ~(before.isnan() & after.isnan())
-    return neq.nonzero().reshape(-1)
+def first_change(t: torch.Tensor, before: Optional[torch.Tensor], ranges: Optional[Ranges] = None) -> int:
+    """The flat index of the first value (in memory order) that differs from `before`
+    (a `snapshot` of the index `ranges`); if none does, of the first written one."""
+    data = _data(t)
+    spans = _ranges(data, ranges)
+    if before is None or _layout_changed(data, before, spans):
+        return _start(data, spans)
+    found = _compare(data, before, spans, first_only=True)
+    return _to_flat(found.samples[0][0], data) if found.samples else _start(data, spans)
 
 
 @_never_raises(_not_summarised)
-def diff(t: torch.Tensor, before: Optional[torch.Tensor]) -> str:
-    """`3/6 elements changed, max |Δ| 0.95, 2 sign flips; [0] 0.1 → 0.005 …`."""
+def diff(t: torch.Tensor, before: Optional[torch.Tensor], ranges: Optional[Ranges] = None) -> str:
+    """`3/6 elements changed, max |Δ| 0.95, 2 sign flips; [0] 0.1 → 0.005 …`.
+
+    `before` is a `snapshot` of the index `ranges` a write could change (default: all);
+    the values outside them are taken as unchanged.
+    """
+    return _diff_text(t, before, ranges)[1]
+
+
+@_never_raises(lambda why: (0, _not_summarised(why)))
+def compare(t: torch.Tensor, before: Optional[torch.Tensor], ranges: Optional[Ranges] = None) -> tuple[int, str]:
+    """`first_change` and `diff` in one pass: (first changed flat index, diff text)."""
+    return _diff_text(t, before, ranges)
+
+
+def _diff_text(t: torch.Tensor, before: Optional[torch.Tensor], ranges: Optional[Ranges]) -> tuple[int, str]:
     data = _data(t)  # first: if `t` cannot be read, the text says why
+    spans = _ranges(data, ranges)
+    total = data.view.numel()
     if before is None:
-        return f"values not compared ({NO_COPY})"
-    after = data.flat[: before.numel()]
-    total = data.flat.numel()
-    if after.shape != before.shape or after.dtype != before.dtype:
-        return f"layout changed: {before.numel()} → {total} {data.noun}"
-    idx = _changed(before, after)
-    changed = idx.numel()
-    scope = "" if before.numel() == total else f" (first {before.numel()} compared)"
-    if changed == 0:
-        return f"0/{total} {data.noun} changed{scope}: the write stored identical values"
-    parts = [f"{changed}/{total} {data.noun} changed{scope}"] + _magnitude(before[idx], after[idx])
-    samples = "   ".join(
-        f"[{_label(int(i), data.shape)}] {_fmt(before[i].item())} → {_fmt(after[i].item())}"
-        for i in idx[:SHOW_VALUES].tolist()
-    )
-    more = f"   … (+{changed - SHOW_VALUES})" if changed > SHOW_VALUES else ""
-    return ", ".join(parts) + "; " + samples + more
-
-
-def _magnitude(before: torch.Tensor, after: torch.Tensor) -> list[str]:
-    """`max |Δ| 0.95`, `2 sign flips` of the changed values, computed in float64 (or
-    complex128) so that dtypes without arithmetic kernels (float8, uint16-64) get them."""
-    if before.dtype == torch.bool:
-        return []
-    wide = torch.complex128 if before.dtype.is_complex else torch.float64
-    b, a = before.to(wide), after.to(wide)
-    parts = [f"max |Δ| {_fmt((a - b).abs().max().item())}"]
+        return _start(data, spans), f"values not compared ({NO_COPY})"
+    if _layout_changed(data, before, spans):
+        return _start(data, spans), f"layout changed: {before.numel()} copied before the write, {total} {data.noun} now"
+    found = _compare(data, before, spans, first_only=False)
+    written = sum(j - i for i, j in spans)
+    scope = "" if before.numel() == written else (
+        f" in the first {before.numel()} of the {written} written (the other"
+        f" {written - before.numel()} were not compared: copying them would take over {_bytes(MAX_SNAPSHOT_BYTES)})")
+    if found.count == 0:
+        tail = "" if scope else ": the write stored identical values"
+        return _start(data, spans), f"0/{total} {data.noun} changed{scope}{tail}"
+    parts = [f"{found.count}/{total} {data.noun} changed{scope}"]
+    if found.max_delta is not None:
+        parts.append(f"max |Δ| {_fmt(found.max_delta)}")
     if before.dtype.is_signed and not before.dtype.is_complex:
-        flips = int(((b > 0) & (a < 0) | (b < 0) & (a > 0)).sum())
-        parts.append(f"{flips} sign flip{'s' if flips != 1 else ''}")
-    return parts
+        parts.append(f"{found.flips} sign flip{'s' if found.flips != 1 else ''}")
+    samples = "   ".join(f"[{_label(i, data)}] {_fmt(b)} → {_fmt(a)}" for i, b, a in found.samples)
+    more = f"   … (+{found.count - SHOW_VALUES})" if found.count > SHOW_VALUES else ""
+    return _to_flat(found.samples[0][0], data), ", ".join(parts) + "; " + samples + more
 
 
-def _label(flat: int, shape: Optional[torch.Size]) -> str:
-    return _index(flat, shape) if shape is not None else f"#{flat}"
+def _bytes(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.4g} {unit}"
+    return f"{n} bytes"
 
 
-def _index(flat: int, shape: torch.Size) -> str:
-    coords = []
-    for n in reversed(shape):
-        coords.append(flat % n if n else 0)
-        flat //= n if n else 1
-    return ", ".join(map(str, reversed(coords))) if coords else ""
+def _label(i: int, data: _Data) -> str:
+    """`0, 5, 2` for view index `i` of a tensor with a shape; `#i` into stored values."""
+    flat = _to_flat(i, data)
+    return ", ".join(map(str, _unravel(flat, data.tensor.shape))) if data.labelled else f"#{flat}"
 
 
 def _fmt(v: object) -> str:

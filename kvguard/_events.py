@@ -45,7 +45,7 @@ class MutationEvent:
         if self.kind == "unobserved":
             return (
                 f"{self.path} changed during the guard, but no dispatched op wrote it "
-                f"(detected at guard exit, {self.site})"
+                f"(found by a boundary check, at guard exit or g.check(), {self.site})"
             )
         verb = "would be" if self.blocked else "was"
         what = {
@@ -61,16 +61,23 @@ class MutationEvent:
 
 @dataclasses.dataclass
 class GuardReport:
-    """Everything one guard saw: `ok`, `events` in write order, and `format()`."""
+    """Everything one guard saw: `ok`, `events` in write order, and `format()`.
+
+    `events` keeps every write only under `action="record"` with `KVGUARD_MAX_EVENTS`
+    unset; otherwise the first `KVGUARD_MAX_EVENTS` (default 100), and `cut` counts the
+    rest. `allowed` counts intended writes by reason (`allow=PATTERN`, `kvguard.allow('...')`).
+    """
 
     name: str
     action: str
     events: list[MutationEvent] = dataclasses.field(default_factory=list)
+    cut: int = 0
+    allowed: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        """True when no protected tensor was written."""
-        return not self.events
+        """True when no protected tensor was written (allowed writes do not count)."""
+        return not self.events and not self.cut
 
     def format(self) -> str:
         """The report as plain text; the first line is one standalone sentence."""

@@ -3,7 +3,8 @@
 Stdlib only. Frames inside torch, kvguard and wrapt are skipped; the first frame
 outside them is "the user's". Placement is found by reading the user's source: the
 latest statement at or before the current line that stores into a container that now
-holds the new tensor (`rollout_data["kl"] = kl`, `d.update(...)`, `lst.append(t)`).
+holds the new tensor (`rollout_data["kl"] = kl`, `d.update(...)`, `lst.append(t)`,
+`exp.kl = t`, `setattr(exp, "kl", t)`, `td.set("kl", t)`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ import sysconfig
 import types
 from typing import Any, Collection, Iterator, NamedTuple, Optional
 
+from kvguard._tree import Attr
+
 _ANY = object()  # a key the source does not spell as a constant
-_STORE_METHODS = frozenset({"update", "setdefault", "append", "extend", "insert", "__setitem__", "__ior__"})
+_STORE_METHODS = frozenset({"update", "setdefault", "append", "extend", "insert", "__setitem__", "__ior__",
+                            "set", "__setattr__"})
 _MAX_FRAMES = 12
 _skip_prefixes: Optional[tuple[str, ...]] = None
 _skip_has_torch = False
@@ -244,27 +248,35 @@ def _find_stores(code: types.CodeType) -> Iterator[tuple[int, str, Any]]:
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
-                for sub in ast.walk(target):
-                    if isinstance(sub, ast.Subscript):
+                for sub in ast.walk(target):  # rd["kl"] = x, exp.kl = x, a.b, rd["c"] = x, y
+                    if isinstance(sub, (ast.Subscript, ast.Attribute)) and isinstance(sub.ctx, ast.Store):
                         yield from _owners(node.lineno, sub)
             if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
                 yield node.lineno, node.target.id, _ANY  # d |= {...}; lst += [...]
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             if node.func.attr in _STORE_METHODS:
                 yield from _method_stores(node)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+            if len(node.args) >= 2 and isinstance(node.args[0], ast.Name):
+                yield node.lineno, node.args[0].id, _attr_key(node.args[1])  # setattr(exp, "kl", x)
 
 
 def _owners(lineno: int, expr: ast.AST, key: Any = _ANY) -> Iterator[tuple[int, str, Any]]:
     """`(lineno, name, key)` for the named container an expression stores into.
 
     `rd["kl"] = x` and `rd["kl"].append(x)` both name `rd` with key "kl"; `lst[0] = x`
-    and `lst.append(x)` name `lst`.
+    and `lst.append(x)` name `lst`; `exp.kl = x` and `exp.info["kl"] = x` name `exp`
+    with the attribute step `Attr("kl")` / `Attr("info")` (`ns.__dict__["x"]` is `.x`).
     """
     while isinstance(expr, (ast.Subscript, ast.Attribute)):
         if isinstance(expr, ast.Subscript):
             key = _constant(expr.slice)
-            if isinstance(expr.value, ast.Name):
-                yield lineno, expr.value.id, key
+        elif expr.attr == "__dict__":
+            key = Attr(key) if isinstance(key, str) else _ANY
+        else:
+            key = Attr(expr.attr)
+        if isinstance(expr.value, ast.Name):
+            yield lineno, expr.value.id, key
         expr = expr.value
     if isinstance(expr, ast.Name) and key is _ANY:
         yield lineno, expr.id, _ANY
@@ -273,8 +285,12 @@ def _owners(lineno: int, expr: ast.AST, key: Any = _ANY) -> Iterator[tuple[int, 
 def _method_stores(node: ast.Call) -> Iterator[tuple[int, str, Any]]:
     owner = node.func.value  # type: ignore[attr-defined]
     attr = node.func.attr  # type: ignore[attr-defined]
-    if isinstance(owner, ast.Name) and attr in ("setdefault", "__setitem__") and node.args:
-        yield node.lineno, owner.id, _constant(node.args[0])
+    if isinstance(owner, ast.Name) and attr in ("setdefault", "__setitem__", "set") and node.args:
+        yield node.lineno, owner.id, _constant(node.args[0])  # td.set("kl", x) too
+    elif attr == "__setattr__" and len(node.args) >= 3 and isinstance(node.args[0], ast.Name):
+        yield node.lineno, node.args[0].id, _attr_key(node.args[1])  # object.__setattr__(exp, "kl", x)
+    elif isinstance(owner, ast.Name) and attr == "__setattr__" and node.args:
+        yield node.lineno, owner.id, _attr_key(node.args[0])  # exp.__setattr__("kl", x)
     elif isinstance(owner, ast.Name) and attr == "update" and (
             node.keywords or (node.args and isinstance(node.args[0], ast.Dict))):
         for kw in node.keywords:
@@ -290,6 +306,12 @@ def _method_stores(node: ast.Call) -> Iterator[tuple[int, str, Any]]:
 
 def _constant(node: Optional[ast.AST]) -> Any:
     return node.value if isinstance(node, ast.Constant) else _ANY
+
+
+def _attr_key(node: ast.AST) -> Any:
+    """`Attr(name)` for an attribute name spelled as a string constant, else any key."""
+    name = _constant(node)
+    return Attr(name) if isinstance(name, str) else _ANY
 
 
 def _defines(node: ast.AST, code: types.CodeType) -> bool:

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 import warnings
 from typing import Any, Callable, Collection, Literal, Optional, TypeVar
 
-from kvguard import _frames, _ranks, _render
+from kvguard import _frames, _ranks, _render, _reportfile
+from kvguard._allow import Allowlist
+from kvguard._config import DEFAULT_MAX_EVENTS
 from kvguard._errors import ConfigError, GuardWarning, MutationError, MutationWarning
 from kvguard._events import GuardReport, MutationEvent
 from kvguard._state import STATE
@@ -28,20 +31,29 @@ class Guard:
     """
 
     def __init__(self, obj: Any, *, name: Optional[str] = None, action: str = "raise",
-                 keys: Optional[Collection[Any]] = None, ignore: Collection[Any] = ()) -> None:
+                 keys: Optional[Collection[Any]] = None, ignore: Collection[Any] = (),
+                 allow: Collection[str] = (), report_dir: Optional[str | os.PathLike[str]] = None,
+                 target: Optional[str] = None, level: str = "full", fingerprint: Optional[bool] = None) -> None:
         self.action = _check_action(action)
+        self.level = _check_level(level)
+        self.fingerprint = _fingerprint_default() if fingerprint is None else bool(fingerprint)
+        if self.level == "light" and not self.fingerprint:
+            raise ConfigError("kvguard.guard(level='light') finds changes by value fingerprints only; "
+                              "it cannot run with fingerprint=False (or KVGUARD_FINGERPRINT=0)")
         _check_target(obj)
         self.obj = obj
         self.name = name if name is not None else _caller_name(obj)
         self.keys = _as_keys(keys, "keys")
         self.ignore = _as_keys(ignore, "ignore") or ()
+        self.allow = Allowlist(allow, "kvguard.guard(allow=...)")
         self.report = GuardReport(name=self.name, action=self.action)
-        self._warned: set[tuple[str, str, int]] = set()
         self._mode: Any = None
         self._protected: Any = None
         self._entered = False
         self._raised: list[MutationError] = []  # raised in ops; unread ones are raised again at exit
-        self.target: Optional[str] = None  # set when env activation guards a target
+        self._checked = 0  # events already returned by `check()`
+        self._unhook_swap: Callable[[], None] = lambda: None
+        self.target = target  # `module:qualname(arg)` when env activation guards a target
         # Where exit-check events are located; defaults to the frame that exits the guard
         # (integrations such as the pytest plugin point it at the test instead).
         self.exit_site: Optional[_frames.Site] = None
@@ -49,7 +61,29 @@ class Guard:
         # user's code, kept for integrations (the pytest plugin fails the test with them).
         self.unraised_warnings: list[Warning] = []
         self.keys_seen: frozenset[Any] = frozenset()  # top-level keys the object held (set at exit)
+        # Counted in the process's tally (the exit summary) and in the report directory's.
+        writer = _reportfile.open_writer(report_dir)
+        self.report_dir = writer.directory if writer is not None else None
+        self._tallies = [STATE.tally] + ([writer.tally] if writer is not None else [])
+        self._label = target or self.name
+        self.call = STATE.tally.begin_call(self._label)  # this guard's number in the process
+        for tally in self._tallies[1:]:
+            tally.begin_call(self._label)
+        # Events kept in `report`: all under record with no KVGUARD_MAX_EVENTS, else the cap.
+        cap = STATE.output()[1]
+        self._keep = None if cap is None and self.action == "record" else DEFAULT_MAX_EVENTS if cap is None else cap
         self.protected_count = 0  # tensors protected over the guard's life (set at exit)
+
+    @property
+    def protected_count(self) -> int:
+        """Tensors protected over the guard's life; set at exit, and counted in the tallies then."""
+        return self._protected_count
+
+    @protected_count.setter
+    def protected_count(self, count: int) -> None:
+        self._protected_count = count
+        for tally in self._tallies:
+            tally.target(self._label).protected += count
 
     def __enter__(self) -> Guard:
         if self._entered:
@@ -58,18 +92,26 @@ class Guard:
         from kvguard._mode import MutationGuardMode
         from kvguard._protect import ProtectedSet
 
-        self._protected = ProtectedSet(self.obj, self.name, self.keys, self.ignore)
-        self._mode = MutationGuardMode(self._protected, self._on_event, block=self.action == "raise")
-        self._mode.__enter__()
+        self._protected = protected = ProtectedSet(self.obj, self.name, self.keys, self.ignore,
+                                                    fingerprint=self.fingerprint)
+        if self.level == "full":
+            self._mode = MutationGuardMode(protected, self._on_event, block=self.action == "raise")
+            self._mode.__enter__()
+        else:  # no per-op hook at all; `swap_tensors` still needs our weak references aside
+            from kvguard import _torch
+
+            self._unhook_swap = _torch.on_swap_tensors(lambda t1, t2: protected.release((t1, t2)))
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         from kvguard import _torch
 
-        if self._mode is None:
+        if self._protected is None:
             raise RuntimeError(f"{self!r} exited without being entered")
         try:
-            if not _torch.exit_dispatch_mode(self._mode, (exc_type, exc, tb)):
+            if self._mode is None:
+                self._unhook_swap()
+            elif not _torch.exit_dispatch_mode(self._mode, (exc_type, exc, tb)):
                 self._mode.unhook()  # on another thread's stack: inert once the set is closed
         finally:
             unobserved = self._exit_check()
@@ -122,46 +164,79 @@ class Guard:
             if category is not MutationWarning:  # a MutationWarning's panel is printed already
                 _render.say(f"kvguard: {message}")
 
-    def _exit_check(self) -> list[MutationEvent]:
-        """Changes no op reported: a protected tensor re-pointed behind the mode's back."""
-        moved = self._protected.changed_behind_our_back()
-        if not moved:
-            return []
+    def check(self) -> list[MutationEvent]:
+        """Run the boundary checks now; returns the events recorded since the last `check()`.
+
+        Finds what no op reported (values changed through numpy, a raw pointer, another
+        thread, a compiled kernel; memory re-pointed), each once. Under action="raise"
+        the first such finding raises `MutationError` (the change has happened).
+        """
+        if self._protected is None:
+            raise RuntimeError(f"{self!r}.check() needs an active guard (inside its `with` block)")
+        found = self._exit_check(_frames.user_site())
+        for event in found:
+            self._on_event(event, at_exit=True)
+        fresh, self._checked = self.report.events[self._checked:], len(self.report.events)
+        if found and self.action == "raise":
+            raise MutationError(_render.format_event(found[0]), found[0], self.report)
+        return fresh
+
+    def _exit_check(self, site: Optional[_frames.Site] = None) -> list[MutationEvent]:
+        """Boundary findings as events: values or memory that changed with no op reporting it."""
         from kvguard import _diff
 
-        site = self.exit_site or _frames.user_site()
+        site = site or self.exit_site or _frames.user_site()
         events = []
-        for entry, tensor, old, now in moved:
+        for change in self._protected.boundary_changes(list(_frames.user_frames(sys._getframe(1)))):
+            entry, tensor = change.entry, change.tensor
+            if change.kind == "values":
+                before = f"digest {_digest_text(change.was)}"
+                after = f"{_diff.values(tensor)} (digest {_digest_text(change.now)})"
+                diff = ("values changed with no dispatched write: a numpy view, a raw pointer, another "
+                        "thread or a compiled kernel?")
+            else:
+                before, after = _fingerprint_text(change.was), _fingerprint_text(change.now)
+                diff = "identity or memory changed with no dispatched op (k.data = ..., or code the guard cannot see)"
             events.append(MutationEvent(
                 path=entry.path, op="(no dispatched op)", kind="unobserved", blocked=False,
                 filename=site.filename, lineno=site.lineno, code=site.code, function=site.function,
-                placed_at=entry.placed_at, tensor=_diff.describe(tensor), before=_fingerprint_text(old),
-                after=_fingerprint_text(now),
-                diff="identity or memory changed with no dispatched op (k.data = ..., or code the guard cannot see)",
+                placed_at=entry.placed_at, tensor=_diff.describe(tensor), before=before, after=after,
+                diff=diff, aliases=tuple(entry.aliases), detached=entry.detached,
             ))
         return events
 
     def _on_event(self, event: MutationEvent, at_exit: bool = False) -> None:
-        self.report.events.append(event)
+        allowed = self.allow.reason(event.path)
+        if allowed is not None:  # an intended write: it happens, counted once it has
+            if not event.blocked:
+                self.report.allowed[allowed] = self.report.allowed.get(allowed, 0) + 1
+                for tally in self._tallies:
+                    tally.allow(allowed)
+            return
+        for tally in self._tallies:
+            tally.add(event, self.call)
+        if self._keep is None or len(self.report.events) < self._keep:
+            self.report.events.append(event)
+        else:
+            self.report.cut += 1
         STATE.publish(event, self)
         if self.action == "raise" and not at_exit:
             error = MutationError(_render.format_event(event), event, self.report)
             self._raised.append(error)
             raise error
-        if self.action == "warn":
-            key = (event.path, event.filename, event.lineno)
-            if key not in self._warned:
-                self._warned.add(key)
-                _render.print_event(event, tag=_ranks.rank_tag())
-                self._warn(event.headline(), MutationWarning, event.filename, event.lineno)
+        if self.action == "warn" and STATE.first_sighting(event):  # later writes at the site: counted
+            _render.print_event(event, tag=_ranks.rank_tag())
+            self._warn(event.headline(), MutationWarning, event.filename, event.lineno)
 
     def __repr__(self) -> str:
-        state = "active" if self._mode is not None else ("done" if self._entered else "new")
+        state = "active" if self._protected is not None else ("done" if self._entered else "new")
         return f"<kvguard.guard {self.name} action={self.action} {state}, {len(self.report.events)} events>"
 
 
 def guard(obj: Any, *, name: Optional[str] = None, action: str = "raise",
-          keys: Optional[Collection[Any]] = None, ignore: Collection[Any] = ()) -> Guard:
+          keys: Optional[Collection[Any]] = None, ignore: Collection[Any] = (),
+          allow: Collection[str] = (), report_dir: Optional[str | os.PathLike[str]] = None,
+          level: str = "full", fingerprint: Optional[bool] = None) -> Guard:
     """Protect every tensor reachable from `obj` while the `with` block runs.
 
     Args:
@@ -170,10 +245,19 @@ def guard(obj: Any, *, name: Optional[str] = None, action: str = "raise",
         name: how paths start in reports (`rollout_data['kl'][0]`); defaults to the
             caller's variable name for `obj`.
         action: "raise" stops the write with `MutationError` before it happens; "warn"
-            lets it happen, warns once per (tensor, line) and prints a report to stderr;
-            "record" only fills `g.report`.
+            lets it happen and, for the first write at each site (line and op) in the
+            process, warns and prints a report to stderr; "record" only fills `g.report`.
         keys: protect only these top-level keys (or indices).
         ignore: never protect these top-level keys (or indices).
+        allow: paths whose writes are intended, as reports print them, `[*]` for any
+            list index (`"rollout_data['advantages'][*]"`): they happen, even under
+            "raise", and are counted in `g.report.allowed` instead of reported.
+        report_dir: write report files here (default: `KVGUARD_REPORT_DIR`, if set).
+        level: "full" watches every op (attribution at the write, raise before it) and
+            checks values at the boundaries (exit, `g.check()`); "light" only checks
+            the boundaries: no per-op cost, no op attribution.
+        fingerprint: compare each protected tensor's values (a digest taken when it is
+            protected) at the boundaries; None means on unless KVGUARD_FINGERPRINT=0.
 
     Example::
 
@@ -181,14 +265,18 @@ def guard(obj: Any, *, name: Optional[str] = None, action: str = "raise",
             compute_advantages_and_returns(args, rollout_data)
         print(g.report.format())
     """
-    return Guard(obj, name=name, action=action, keys=keys, ignore=ignore)
+    return Guard(obj, name=name, action=action, keys=keys, ignore=ignore, allow=allow, report_dir=report_dir,
+                 level=level, fingerprint=fingerprint)
 
 
 def guarded(argname: str, *, name: Optional[str] = None, action: str = "raise",
-            keys: Optional[Collection[Any]] = None, ignore: Collection[Any] = ()) -> Callable[[F], F]:
+            keys: Optional[Collection[Any]] = None, ignore: Collection[Any] = (),
+            allow: Collection[str] = (), report_dir: Optional[str | os.PathLike[str]] = None,
+            level: str = "full", fingerprint: Optional[bool] = None) -> Callable[[F], F]:
     """Decorator: guard the argument `argname` on every call of the function.
 
-    The last call's report is kept on the wrapper as `fn.last_report`.
+    Options as for `guard()`. The last call's report is kept on the wrapper as
+    `fn.last_report`.
 
     Example::
 
@@ -196,6 +284,7 @@ def guarded(argname: str, *, name: Optional[str] = None, action: str = "raise",
         def compute_advantages_and_returns(args, rollout_data): ...
     """
     _check_action(action)
+    _check_level(level)
     if not isinstance(argname, str):
         raise TypeError(f"kvguard.guarded() takes the argument's name as a string, got {argname!r}")
 
@@ -215,7 +304,8 @@ def guarded(argname: str, *, name: Optional[str] = None, action: str = "raise",
             bound = signature.bind(*args, **kwargs)
             if argname not in bound.arguments:
                 return fn(*args, **kwargs)  # left at its default: nothing of the caller's to protect
-            g = Guard(bound.arguments[argname], name=name or argname, action=action, keys=keys, ignore=ignore)
+            g = Guard(bound.arguments[argname], name=name or argname, action=action, keys=keys, ignore=ignore,
+                      allow=allow, report_dir=report_dir, level=level, fingerprint=fingerprint)
             outer.last_report = g.report  # type: ignore[attr-defined]
             with g:
                 return fn(*args, **kwargs)
@@ -250,8 +340,14 @@ def _check_action(action: Any) -> str:
 
 
 def guardable(obj: Any) -> bool:
-    """Whether `obj` is something a guard protects: a dict, list, tuple or tensor."""
-    if isinstance(obj, (dict, list, tuple)):
+    """Whether `obj` is something a guard protects: a tensor, or a container kvguard walks.
+
+    Containers: dicts and every Mapping, lists, tuples, namedtuples, dataclass instances,
+    `types.SimpleNamespace` and `torch.utils._pytree` nodes (see `_tree`).
+    """
+    from kvguard import _tree
+
+    if isinstance(obj, (dict, list, tuple)) or _tree.walkable(obj):
         return True
     torch = sys.modules.get("torch")  # no torch imported: obj cannot be a tensor
     return torch is not None and isinstance(obj, torch.Tensor)
@@ -259,9 +355,18 @@ def guardable(obj: Any) -> bool:
 
 def _check_target(obj: Any) -> None:
     if not guardable(obj):
+        from kvguard import _tree
+
+        kind = obj if isinstance(obj, type) else type(obj)
+        spelled = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        if isinstance(obj, type):
+            spelled = f"the class {spelled} itself, not an instance"
+        elif _tree._instance_dict(obj) is not None:
+            spelled += ", whose attributes kvguard does not walk"
         raise TypeError(
-            f"kvguard.guard() protects a dict, list, tuple or tensor (nested at any depth); "
-            f"got {type(obj).__name__}"
+            f"kvguard.guard() protects tensors held in dicts (and any Mapping), lists, tuples, namedtuples, "
+            f"dataclass instances, SimpleNamespaces or torch pytree nodes (nested at any depth), or a tensor; "
+            f"got {spelled}"
         )
 
 
@@ -299,6 +404,31 @@ def _caller_name(obj: Any) -> str:
 def _key_list(keys: Collection[Any]) -> str:
     shown = sorted(map(repr, keys))
     return ", ".join(shown[:8]) + (f" … (+{len(shown) - 8})" if len(shown) > 8 else "") if shown else "no keys"
+
+
+def _digest_text(digest: Any) -> str:
+    if isinstance(digest, tuple):
+        return "/".join(map(_digest_text, digest))
+    try:
+        return f"{int(digest) & ((1 << 64) - 1):016x}"
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+LEVELS = ("full", "light")
+
+
+def _check_level(level: Any) -> str:
+    """`full`: watch every op and check at the boundaries; `light`: boundaries only."""
+    spelled = level.strip().lower() if isinstance(level, str) else level
+    if spelled not in LEVELS:
+        raise ConfigError(f"invalid level {level!r}; expected full or light (any case)")
+    return str(spelled)
+
+
+def _fingerprint_default() -> bool:
+    """On, unless `KVGUARD_FINGERPRINT` says 0/off/false/no."""
+    return os.environ.get("KVGUARD_FINGERPRINT", "").strip().lower() not in ("0", "off", "false", "no")
 
 
 def _fingerprint_text(fp: tuple[Any, ...]) -> str:

@@ -10,42 +10,46 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import sys
 from typing import Any, Callable, Iterable, Optional
 
 import wrapt
 
-from kvguard._config import Target
+from kvguard._config import Calls, Target
 from kvguard._guard import Guard, guardable, outside_dynamo
 from kvguard._render import say
+from kvguard._reportfile import open_writer
 from kvguard._state import STATE
+from kvguard._tally import TargetStats
 
 _MARK = "__kvguard_target__"
 _MISSING = object()  # the argument was not passed (left at its default)
 
 
 def install(targets: Iterable[Target], action: str, keys: Optional[tuple[str, ...]] = None,
-            ignore: tuple[str, ...] = ()) -> None:
-    """Guard each target's argument on every call, from the moment its module loads."""
+            ignore: tuple[str, ...] = (), allow: tuple[str, ...] = (), calls: Calls = Calls()) -> None:
+    """Guard each target's argument on the selected calls, from the moment its module loads."""
     for target in targets:
-        wrapt.register_post_import_hook(_hook(target, action, keys, ignore), target.module)
+        wrapt.register_post_import_hook(_hook(target, action, keys, ignore, allow, calls), target.module)
 
 
-def _hook(target: Target, action: str, keys: Any, ignore: Any) -> Callable[[Any], None]:
+def _hook(target: Target, *options: Any) -> Callable[[Any], None]:
     def on_import(module: Any) -> None:
         try:
-            patch(module, target, action, keys, ignore)
+            patch(module, target, *options)
         except Exception as exc:  # noqa: BLE001 - never break the user's import
             say(f"kvguard: cannot guard {target}: {exc}")
     return on_import
 
 
-def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: Any = ()) -> None:
-    """Wrap `module.<qualname>` so each call guards `argname`; rebind stale aliases.
+def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: Any = (),
+          allow: tuple[str, ...] = (), calls: Calls = Calls()) -> None:
+    """Wrap `module.<qualname>` so the selected calls guard `argname`; rebind stale aliases.
 
     The wrapper is a plain function (a `staticmethod`/`classmethod` stays one), not a
     wrapt proxy: Dynamo takes a proxy for the function it wraps and compiles the
-    original, guard and all skipped.
+    original, guard and all skipped. Calls are numbered from 1, selected by `calls` or not.
     """
     owner_path, _, attr = target.qualname.rpartition(".")
     owner = module
@@ -64,29 +68,33 @@ def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: An
         raise TypeError(f"{target.qualname}() has no parameter {target.argname!r}; "
                         f"its parameters are {', '.join(signature.parameters)}")
 
-    stats = STATE.target_stats(str(target))
+    label = str(target)
+    numbers = itertools.count(1)
 
     @functools.wraps(inner)
     def guarded_call(*args: Any, **kwargs: Any) -> Any:
+        number = next(numbers)
         try:
             value = signature.bind_partial(*args, **kwargs).arguments.get(target.argname, _MISSING)
         except TypeError:
             value = _MISSING  # let the call itself report the bad arguments
-        if not guardable(value):
-            if value is not _MISSING:  # said at exit: the argument held nothing to guard
-                kind = _type_name(value)
+        if value is _MISSING:  # left at its default: nothing of the caller's to protect
+            return inner(*args, **kwargs)
+        if not guardable(value):  # said at exit: the argument held nothing to guard
+            kind = _type_name(value)
+            for stats in _tallies(label):
                 stats.unguardable[kind] = stats.unguardable.get(kind, 0) + 1
             return inner(*args, **kwargs)
-        STATE.guarded_calls += 1
-        stats.calls += 1
-        g = Guard(value, name=target.argname, action=action, keys=keys, ignore=ignore)
-        g.target = str(target)
+        if not calls.selects(number):  # KVGUARD_CALLS: counted in the summary
+            for stats in _tallies(label):
+                stats.unguarded_calls += 1
+            return inner(*args, **kwargs)
+        g = Guard(value, name=target.argname, action=action, keys=keys, ignore=ignore, allow=allow, target=label)
         try:
             with g:
                 return inner(*args, **kwargs)
         finally:
-            stats.protected += g.protected_count
-            stats.keys_seen.update(g.keys_seen)
+            STATE.target_stats(label).keys_seen.update(g.keys_seen)
 
     wrapper = outside_dynamo(guarded_call)
     setattr(wrapper, _MARK, str(target))
@@ -94,6 +102,13 @@ def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: An
     rebound = _rebind_aliases(function, getattr(owner, attr), skip=owner)
     STATE.patched.append(str(target))
     STATE.undo.append(lambda: _restore(owner, attr, original, rebound))
+    _tallies(label)  # listed in the summaries, called or not; writes the report header: guarding starts
+
+
+def _tallies(label: str) -> list[TargetStats]:
+    """The target's counts for the process and, when report files are written, for its directory."""
+    writer = open_writer()
+    return [STATE.target_stats(label)] + ([writer.tally.target(label)] if writer is not None else [])
 
 
 def _type_name(value: Any) -> str:

@@ -20,6 +20,9 @@ _facts_cache = _torch._facts_cache
 _op_facts = _torch.op_facts
 _COPY = torch.ops.aten.copy_.default
 FREED_DIFF = "values not compared (the tensor was freed before they could be read)"
+# What a write's report compares against: the values it could change, copied just before
+# it (None when they could not be read), and which flat index ranges those are (None: all).
+_Copy = tuple[Optional[torch.Tensor], Optional[list[tuple[int, int]]]]
 
 
 class MutationGuardMode(TorchDispatchMode):
@@ -69,6 +72,7 @@ class MutationGuardMode(TorchDispatchMode):
 
         def after() -> None:
             restore()
+            protected.explain(hit)
             for entry in hit:
                 self.on_event(self._event(_torch.SWAP_OP, "repoint", entry, site, blocked=False,
                                           before_meta=before[id(entry)]))
@@ -97,26 +101,29 @@ class MutationGuardMode(TorchDispatchMode):
             for entry in hit:
                 self.on_event(self._event(func, facts.kind, entry, site, blocked=True))
             # The callback chose not to stop the write: fall through and report it.
-        for entry in hit:
-            tensor = protected.tensor_of(entry)
-            if entry.before is None and tensor is not None and facts.kind == "write":
-                entry.before = _diff.snapshot(tensor)
+        # A copy of what this write can change in each entry, taken just before it and
+        # dropped once the event is built: memory in proportion to the write, held briefly.
+        copies: dict[int, _Copy] = {}
+        if facts.kind == "write":
+            for entry in hit:
+                tensor = protected.tensor_of(entry)
+                if tensor is not None:
+                    ranges = _torch.flat_ranges(tensor, written)
+                    copies[id(entry)] = (_diff.snapshot(tensor, ranges), ranges)
         before_meta = {} if facts.kind == "write" else {
             id(e): _describe(protected.tensor_of(e)) for e in hit}
         out = func(*args, **kwargs)
+        protected.explain(hit)  # reported here, not again by the next boundary check
         for entry in hit:
             if facts.kind != "write":
                 protected.relayout(entry)
             event = self._event(func, facts.kind, entry, site, blocked=False,
-                                before_meta=before_meta.get(id(entry)))
-            tensor = protected.tensor_of(entry)
-            if entry.before is not None:  # the next write's diff starts from this value
-                entry.before = _diff.advance(tensor, entry.before) if tensor is not None else None
+                                before_meta=before_meta.get(id(entry)), copy=copies.pop(id(entry), None))
             self.on_event(event)
         return out
 
     def _event(self, func: Any, kind: str, entry: Entry, site: _frames.Site, blocked: bool,
-               before_meta: Optional[str] = None) -> MutationEvent:
+               before_meta: Optional[str] = None, copy: Optional[_Copy] = None) -> MutationEvent:
         """The event for one protected entry; its summaries never raise (see `_diff`)."""
         tensor = self.protected.tensor_of(entry)
         described = _describe(tensor)
@@ -126,10 +133,15 @@ class MutationGuardMode(TorchDispatchMode):
             diff = "not applied: raised before the write, the data is intact"
         elif kind == "write":
             # Show the values where this write starts changing them, not just the first few.
-            first = _diff.first_change(tensor, entry.before) if tensor is not None else 0
-            before = _diff.values(entry.before, first) if entry.before is not None else _diff.NO_COPY
+            values, ranges = copy if copy is not None else (None, None)
+            if tensor is None:
+                first, diff = 0, FREED_DIFF
+                before = _diff.values(values) if values is not None else _diff.NO_COPY
+            else:
+                first, diff = _diff.compare(tensor, values, ranges)
+                before = _diff.values(tensor, first, before=values, ranges=ranges) if values is not None else (
+                    _diff.NO_COPY)
             after = _values(tensor, first)
-            diff = _diff.diff(tensor, entry.before) if tensor is not None else FREED_DIFF
         else:
             before = before_meta or described
             after = described

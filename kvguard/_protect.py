@@ -11,18 +11,28 @@ from __future__ import annotations
 import bisect
 import sys
 import weakref
-from typing import Any, Callable, Collection, Optional, Sequence
+from typing import Any, Callable, Collection, NamedTuple, Optional, Sequence
 
 import torch
 
-from kvguard import _frames, _torch, _tree
+from kvguard import _digest, _frames, _torch, _tree
+
+
+class Change(NamedTuple):
+    """What a boundary check found on one entry: `values` changed, or its `memory` moved."""
+
+    entry: Entry
+    tensor: torch.Tensor
+    kind: str
+    was: Any
+    now: Any
 
 
 class Entry:
     """One protected tensor: its path, memory, placement and (lazily) its last value."""
 
-    __slots__ = ("path", "ref", "spans", "placed_at", "fingerprint", "before", "aliases", "detached",
-                 "__weakref__")
+    __slots__ = ("path", "ref", "spans", "placed_at", "fingerprint", "digest", "explained", "before",
+                 "aliases", "detached", "__weakref__")
 
     def __init__(self, path: str, tensor: torch.Tensor, ref: Callable[[], Optional[torch.Tensor]],
                  placed_at: Optional[str]) -> None:
@@ -31,6 +41,8 @@ class Entry:
         self.spans = _torch.spans(tensor)
         self.placed_at = placed_at
         self.fingerprint = _torch.storage_fingerprint(tensor)
+        self.digest: _digest.Digest = None  # its values when last looked at (see `_digest`)
+        self.explained = False  # an op event reported a write since then
         self.before: Optional[torch.Tensor] = None  # copied on the first write only
         self.aliases: list[str] = []  # other paths to the same tensor object
         self.detached = False  # no longer reachable from the guarded object
@@ -44,7 +56,8 @@ class Entry:
 class ProtectedSet:
     """Maps written memory to protected entries; learns about newly placed tensors."""
 
-    def __init__(self, root: Any, name: str, keys: Optional[Collection[Any]], ignore: Collection[Any]) -> None:
+    def __init__(self, root: Any, name: str, keys: Optional[Collection[Any]], ignore: Collection[Any],
+                 fingerprint: bool = True) -> None:
         self._root, self._name, self._keys, self._ignore = root, name, keys, ignore
         self._entries: dict[int, Entry] = {}
         self._by_identity: dict[int, Entry] = {}  # tensors without readable memory (meta)
@@ -56,7 +69,10 @@ class ProtectedSet:
         self._dirty = False
         self.keys_seen: set[Any] = set()  # top-level keys (or indices) the root ever held
         self.protected_count = 0  # tensors protected so far, including ones let go since
+        self._fingerprint = fingerprint
+        self._undigested: list[Entry] = []  # added since the last batch of digests
         self._scan(frames=None)
+        self._take_digests()
 
     # -- placement -------------------------------------------------------------------
 
@@ -69,6 +85,11 @@ class ProtectedSet:
         """
         if self._dirty or _tree.changed(self._watch):
             self._scan(frames=list(_frames.user_frames(sys._getframe(1))))
+            self._take_digests()
+        for tensor in written:  # a protected tensor re-pointed behind our back: follow it
+            entry = self._entries.get(id(tensor))
+            if entry is not None and entry.ref() is tensor and entry.fingerprint != _torch.storage_fingerprint(tensor):
+                self._follow([entry])
         if kind == "write" and not self._by_identity:
             starts, max_stop = self._all_starts, self._max_stop_upto
             for tensor in written:
@@ -86,14 +107,31 @@ class ProtectedSet:
         found: list[Entry] = []
         for tensor in written:
             found += [e for e in self.hits(tensor, kind) if e not in found]
+        if found and self._follow(found):  # memory it no longer owns: look again
+            return self.written_entries(written, kind)
         return found
+
+    def _follow(self, entries: list[Entry]) -> bool:
+        """Re-read the memory of entries re-pointed outside the dispatcher; whether any had moved.
+
+        `w.data = x`, `share_memory_()`: the entry's memory is wherever its tensor is now.
+        """
+        moved = False
+        for entry in entries:
+            tensor = entry.ref()
+            if tensor is not None and entry.fingerprint != _torch.storage_fingerprint(tensor):
+                entry.refresh(tensor)
+                moved = True
+        if moved:
+            self._rebuild_index()
+        return moved
 
     def _scan(self, frames: Optional[list[Any]]) -> None:
         self._dirty = False
         for key in [k for k, e in self._entries.items() if e.ref() is None]:
             del self._entries[key]
-        leaves, containers = _tree.walk(self._root, self._name, _is_tensor, self._keys, self._ignore)
-        self.keys_seen.update(key for key, _, _ in _tree.child_items(self._root))
+        leaves, containers = _tree.walk(self._root, self._name, _is_tensor, self._keys, self._ignore,
+                                        top_keys=self.keys_seen)
         reached: dict[int, list[str]] = {}
         for leaf in leaves:
             paths = reached.setdefault(id(leaf.tensor), [])
@@ -106,12 +144,65 @@ class ProtectedSet:
             entry.detached = not paths
             entry.aliases = [p for p in paths if p != entry.path]
         self._watch = _tree.snapshot(containers)
+        if leaves:
+            del leaf
+        del leaves
+        if self._dirty:
+            # Values that a Mapping made on access died with the walk: forget them now
+            # rather than rescan at every write op.
+            for key in [k for k, e in self._entries.items() if e.ref() is None]:
+                del self._entries[key]
+            self._dirty = False
         self._rebuild_index()
 
     def _add(self, leaf: _tree.Leaf, placed_at: Optional[str]) -> None:
         ref = weakref.ref(leaf.tensor, self._on_death)
         self.protected_count += 1
-        self._entries[id(leaf.tensor)] = Entry(leaf.path, leaf.tensor, ref, placed_at)
+        entry = self._entries[id(leaf.tensor)] = Entry(leaf.path, leaf.tensor, ref, placed_at)
+        if self._fingerprint:
+            self._undigested.append(entry)
+
+    # -- values ----------------------------------------------------------------------
+
+    def _take_digests(self) -> None:
+        """Digest the entries added since the last call, in one batch: their starting values."""
+        new, self._undigested = self._undigested, []
+        for entry, digest in zip(new, _digest.digests([e.ref() for e in new])):
+            entry.digest = digest
+
+    def explain(self, entries: list[Entry]) -> None:
+        """An op event reported a write to these entries: the next boundary check does not.
+
+        Marked rather than re-digested: cheaper, and right for writes that land after
+        the op returns (an asynchronous collective completes at `wait()`). The write may
+        have moved their memory (a sparse `add_` reallocates): follow it.
+        """
+        for entry in entries:
+            entry.explained = True
+        self._follow(entries)
+
+    def boundary_changes(self, frames: Optional[list[Any]]) -> list[Change]:
+        """Entries whose values or memory changed with no op reporting it, each found once.
+
+        Looks at placements since the last write op first. A storage move that keeps
+        the values (`share_memory_()`, a multiprocessing queue) is no change: the entry
+        follows the tensor to its new memory. Without a digest (fingerprints off, or
+        nothing to read) a move is reported, as the values cannot be compared.
+        """
+        self._scan(frames)
+        self._take_digests()
+        live = [(e, t) for e in list(self._entries.values()) if (t := e.ref()) is not None]
+        now = _digest.digests([t for _, t in live]) if self._fingerprint else [None] * len(live)
+        found = []
+        for (entry, tensor), digest in zip(live, now):
+            layout = _torch.storage_fingerprint(tensor)
+            if not entry.explained and not _digest.same(entry.digest, digest):
+                found.append(Change(entry, tensor, "values", entry.digest, digest))
+            elif layout != entry.fingerprint and (entry.digest is None or digest is None):
+                found.append(Change(entry, tensor, "memory", entry.fingerprint, layout))
+            entry.digest, entry.explained = digest, False
+        self._follow([e for e, _ in live])
+        return found
 
     def _on_death(self, _: Any) -> None:
         # The memory may be reused by a new tensor; forget it before the next write.
@@ -222,19 +313,6 @@ class ProtectedSet:
             self._rebuild_index()
 
     # -- exit ------------------------------------------------------------------------
-
-    def changed_behind_our_back(
-            self) -> list[tuple[Entry, torch.Tensor, tuple[Any, ...], tuple[Any, ...]]]:
-        """Entries whose identity or layout changed with no op reporting it: (entry, tensor, was, is)."""
-        moved = []
-        for entry in self._entries.values():
-            tensor = entry.ref()
-            if tensor is None:
-                continue
-            now = _torch.storage_fingerprint(tensor)
-            if now != entry.fingerprint:
-                moved.append((entry, tensor, entry.fingerprint, now))
-        return moved
 
     def close(self) -> None:
         """Drop every reference: the guard keeps nothing alive once it exits."""

@@ -129,6 +129,9 @@ def mutation_guard(request: pytest.FixtureRequest) -> Iterator[MutationGuardFixt
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
+    from kvguard._state import STATE
+
+    STATE.shown.clear()  # as pytest resets warning registries: each test shows its own first write per site
     start = len(item.stash.setdefault(_GUARDS, []))
     try:
         _enter_marked(item)

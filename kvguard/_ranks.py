@@ -1,4 +1,4 @@
-"""Which process of a distributed job this is, for report tags. Stdlib only.
+"""Which launch and which process of a distributed job this is, for report tags. Stdlib only.
 
 Reads `torch.distributed` only if it is already imported and initialised, else the
 `RANK` / `LOCAL_RANK` / `WORLD_SIZE` variables torchrun sets. Integrations add finer
@@ -9,7 +9,9 @@ tags (Megatron's tp/pp/dp/cp) through the `kvguard.rank_tags` entry-point group 
 from __future__ import annotations
 
 import os
+import socket
 import sys
+import time
 from typing import Any, Callable, Optional
 
 Tagger = Callable[[], "dict[str, Any]"]
@@ -69,6 +71,28 @@ def rank_tag(info: Optional[dict[str, Any]] = None) -> str:
     parts += [f"{k}={v}" for k, v in info.items()
               if k not in ("rank", "world_size", "local_rank") and v is not None]
     return " ".join(parts)
+
+
+def run_id() -> str:
+    """The id shared by every process of one launch; every report record carries it.
+
+    torchrun's `TORCHELASTIC_RUN_ID` (its `--rdzv-id`, shared by all nodes) unless it is
+    "none"; else `KVGUARD_RUN_ID`, which `kvguard run` sets, and so does the first
+    process that activates kvguard, for the processes it starts (torchrun's workers);
+    else a new id, exported the same way.
+    """
+    elastic = os.environ.get("TORCHELASTIC_RUN_ID", "").strip()
+    if elastic and elastic != "none":
+        return elastic
+    own = os.environ.get("KVGUARD_RUN_ID", "").strip()
+    if not own:
+        own = os.environ["KVGUARD_RUN_ID"] = new_run_id()
+    return own
+
+
+def new_run_id() -> str:
+    """`host-pid-YYYYmmdd-HHMMSS`: unique per launching process, readable in a listing."""
+    return f"{socket.gethostname()}-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def _env_int(name: str) -> Optional[int]:

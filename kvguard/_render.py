@@ -59,10 +59,15 @@ def format_report(report: GuardReport) -> str:
         return f"kvguard: no in-place writes to the tensors protected in {report.name}"
     shown = report.events[:MAX_EVENTS_SHOWN]
     blocks = [format_event(ev) for ev in shown]
-    more = len(report.events) - len(shown)
+    more = len(report.events) - len(shown) + report.cut
     if more:
-        blocks.append(f"… and {more} more write{'s' if more != 1 else ''}")
+        blocks.append(_more(more, report.cut))
     return "\n".join(blocks)
+
+
+def _more(more: int, cut: int) -> str:
+    text = f"… and {more:,} more write{'s' if more != 1 else ''}"
+    return text + (f" ({cut:,} past KVGUARD_MAX_EVENTS, counted only)" if cut else "")
 
 
 def _clip(text: str) -> str:
@@ -97,9 +102,9 @@ def rich_report(report: GuardReport) -> Any:
     if report.ok:
         return Text(format_report(report), style="green")
     items = [rich_event(ev) for ev in report.events[:MAX_EVENTS_SHOWN]]
-    more = len(report.events) - len(items)
+    more = len(report.events) - len(items) + report.cut
     if more:
-        items.append(Text(f"… and {more} more writes"))
+        items.append(Text(_more(more, report.cut)))
     return Group(*items)
 
 
@@ -146,35 +151,84 @@ def _width(out: Any) -> int:
         return 100
 
 
-def report_table(records: list[dict[str, Any]], width: Any = None) -> str:
-    """Events from report files grouped by (path, op, site), with a count per rank."""
-    if not records:
-        return "kvguard: no events"
-    from rich.console import Console
+def run_report(run: dict[str, Any], width: Any = None) -> str:
+    """One run of `kvguard report` (`_reportread.describe`): a headline, a table, notes."""
+    from kvguard._tally import plural
+
+    ranks = run["ranks"]
+    who = plural(len(ranks), "rank") if ranks else plural(run["processes"], "process", "processes")
+    head = f"kvguard: run {run['run']} ({who}): {plural(run['calls'], 'guarded call')}, "
+    if run["status"] == "clean":
+        head += "clean: no in-place writes to protected tensors"
+    elif run["by"] == "event":
+        head += f"{run['events_in_files']:,} of {plural(run['writes'], 'write')} in the files, by event"
+    else:
+        head += f"{plural(run['writes'], 'write')} at {plural(run['sites'], 'site')}"
+    lines = [head]
+    if run["rows"]:
+        lines.append(_site_table(run["rows"], width) if run["by"] == "site" else _event_table(run["rows"], width))
+    lines += [f"  allowed: {plural(count, 'write')} by {reason}" for reason, count in run["allowed"].items()]
+    if run["unguarded_calls"]:
+        lines.append(f"  note: {plural(run['unguarded_calls'], 'call')} left unguarded by KVGUARD_CALLS")
+    lines += [f"  note: {note}" for note in run["notes"]]
+    return "\n".join(lines)
+
+
+def _site_table(rows: list[dict[str, Any]], width: Any) -> str:
     from rich.table import Table
     from rich.text import Text
 
-    ranks = sorted({r.get("rank") or 0 for r in records})
-    groups: dict[tuple[str, str, str], dict[int, int]] = {}
-    codes: dict[tuple[str, str, str], str] = {}
-    for r in records:
-        key = (str(r.get("path")), str(r.get("op")), f"{os.path.basename(str(r.get('file')))}:{r.get('line')}")
-        counts = groups.setdefault(key, {})
-        counts[r.get("rank") or 0] = counts.get(r.get("rank") or 0, 0) + 1
-        codes.setdefault(key, str(r.get("code") or ""))
-    table = Table(title=f"kvguard: {len(records)} events on {len(ranks)} rank{'s' if len(ranks) != 1 else ''}",
-                  title_justify="left")
+    ranked = any(row["ranks"] for row in rows)
+    table = Table()
+    for column in ["site", "path", "writes"] + (["ranks"] if ranked else []) + ["first write"]:
+        table.add_column(column, overflow="fold", justify="right" if column == "writes" else "left")
+    for row in rows:
+        action = ("blocked" if row["blocked"] == row["writes"] else "happened" if not row["blocked"]
+                  else f"{row['blocked']:,} blocked")
+        first = row["first"]
+        where = f"call {first.get('call')}" + (f", rank {first['rank']}" if len(row["ranks"]) > 1 else "")
+        table.add_row(Text(f"{row['site']} {row['op']}\n{row.get('code') or ''}"), Text(", ".join(row["paths"])),
+                      f"{row['writes']:,}\nin {row['calls']:,} call{'s' if row['calls'] != 1 else ''}\n{action}",
+                      *([_ranges(row["ranks"])] if ranked else []),
+                      Text(_clip_value(f"{first.get('path')}\n{where}: {(first.get('diff') or '').split(';')[0]}")))
+    return _table_text(table, width)
+
+
+def _event_table(rows: list[dict[str, Any]], width: Any) -> str:
+    from rich.table import Table
+    from rich.text import Text
+
+    ranks = sorted({rank for row in rows for rank in row["counts"]},
+                   key=lambda r: int(r) if r.lstrip("-").isdigit() else 1 << 30)  # JSON keys: "0", "None"
+    table = Table(title_justify="left")
     for column in ("path", "op", "site", "code"):
         table.add_column(column, overflow="fold")
     for rank in ranks:
-        table.add_column(f"rank {rank}", justify="right")
-    for key in sorted(groups, key=lambda k: -sum(groups[k].values())):
-        counts = groups[key]
-        table.add_row(*(Text(v) for v in key), Text(codes[key]), *(str(counts.get(r, "")) for r in ranks))
+        table.add_column(f"rank {rank}" if rank != "None" else "writes", justify="right")
+    for row in rows:
+        table.add_row(*(Text(str(row[k] or "")) for k in ("path", "op", "site", "code")),
+                      *(str(row["counts"].get(rank, "")) for rank in ranks))
+    return _table_text(table, width)
+
+
+def _table_text(table: Any, width: Any) -> str:
+    from rich.console import Console
+
     buffer = io.StringIO()
     console = Console(file=buffer, width=width or _width(sys.stdout), color_system=None, force_terminal=False)
     console.print(table)
     return buffer.getvalue().rstrip("\n")
+
+
+def _ranges(ranks: list[int]) -> str:
+    """`0-3, 5` from sorted rank numbers."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
 
 
 def say(line: str) -> None:

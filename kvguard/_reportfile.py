@@ -1,63 +1,160 @@
-"""Per-rank JSONL report files: write one object per event, read them back. Stdlib only.
+"""Report files: write this process's records, one JSON object a line. Stdlib only.
 
-Each process appends to `kvguard-rank<R>.jsonl` in the report directory, one line per
-event, written with a single `os.write` so lines never interleave. Only summaries go in:
-never pickles, never whole tensors.
+A process appends to `kvguard-rank<R>.jsonl` in the report directory: a header record
+when it starts guarding, one event record per write up to `KVGUARD_MAX_EVENTS`, and a
+summary record at exit whose counts are exact however many events were cut. A clean run
+therefore leaves a file that proves it ran. Every record carries `schema` and the run
+id, so runs appended to one directory stay apart. Each record is one `os.write` with
+`O_APPEND`, so processes sharing a file never interleave. Only summaries go in: never
+pickles, never whole tensors. The README lists every field.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
+import platform
 import socket
+import sys
 import time
-from typing import Any, Iterator
+from typing import Any, Optional
 
+from kvguard import _ranks
+from kvguard._config import DEFAULT_MAX_EVENTS
+from kvguard._render import say
+from kvguard._state import STATE
+from kvguard._tally import Tally
+
+SCHEMA = 1  # raised when a field changes meaning or goes away; new fields keep it
 FILE_PREFIX = "kvguard-rank"
+_finish_registered = False
 
 
-class JsonlSink:
-    """A listener that appends each event, with who and where, to this rank's file."""
+class ReportWriter:
+    """This process's records in one report directory, and the counts of the guards writing there."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, limit: int) -> None:
         self.directory = directory
-        self._path: str | None = None
+        self.limit = limit  # event records written at most
+        self.tally = Tally()
+        self.written = 0
+        self.cut = 0  # event records past the limit: counted, not written
+        self._file: Optional[str] = None  # chosen by the header, kept for the process
 
     def __str__(self) -> str:
         return f"writing report files to {self.directory!r}"
 
-    def path(self, rank: int) -> str:
-        return os.path.join(self.directory, f"{FILE_PREFIX}{rank}.jsonl")
+    @property
+    def started(self) -> bool:
+        return self._file is not None
+
+    def begin(self) -> bool:
+        """Write the header record, once: who, which run, which settings and versions.
+
+        Returns whether the writer works; one that failed is dropped with one line.
+        """
+        if self._file is not None:
+            return self in STATE.listeners
+        info = _ranks.rank_info()
+        self._file = os.path.join(self.directory, f"{FILE_PREFIX}{info.get('rank') or 0}.jsonl")
+        settings = STATE.settings
+        try:
+            self._append({**_who("header", info), "kvguard": _version("kvguard"), "torch": _version("torch"),
+                          "python": platform.python_version(), "max_events": self.limit,
+                          "settings": settings.as_record() if settings is not None and settings.active else None})
+        except OSError as exc:
+            STATE.drop(self, exc)
+            return False
+        return True
 
     def __call__(self, event: Any, guard: Any) -> None:
-        from kvguard import _ranks
+        """An event record for a guard writing here, while under the limit."""
+        if guard.report_dir != self.directory:
+            return
+        if self.written >= self.limit:
+            self.cut += 1
+            return
+        self._append({**_who("event"), "call": guard.call, "target": guard.target, "guard": guard.name,
+                      "action": guard.action, **dataclasses.asdict(event)})
+        self.written += 1
 
-        info = _ranks.rank_info()
-        rank = info.get("rank") or 0
-        record = {
-            "rank": rank, "world_size": info.get("world_size"), "local_rank": info.get("local_rank"),
-            "tags": {k: v for k, v in info.items() if k not in ("rank", "world_size", "local_rank")},
-            "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
-            "target": getattr(guard, "target", None), "guard": getattr(guard, "name", None),
-            "action": getattr(guard, "action", None),
-            **{k: v for k, v in dataclasses.asdict(event).items() if k not in ("filename", "lineno")},
-            "file": event.filename, "line": event.lineno,
-        }
-        line = (json.dumps(record, default=str) + "\n").encode()
+    def finish(self, problems: list[str]) -> None:
+        """Write the summary record: exact counts, what was cut, what was left unguarded."""
+        self._append({**_who("summary", _ranks.rank_info()), **self.tally.as_record(),
+                      "events_written": self.written, "events_cut": self.cut, "problems": problems})
+
+    def _append(self, record: dict[str, Any]) -> None:
+        assert self._file is not None
+        line = (json.dumps(record, default=str, ensure_ascii=False) + "\n").encode()
         os.makedirs(self.directory, exist_ok=True)
-        fd = os.open(self.path(int(rank)), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = os.open(self._file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             os.write(fd, line)
         finally:
             os.close(fd)
 
 
-def unusable(directory: str) -> str | None:
+def open_writer(report_dir: Optional[str | os.PathLike[str]] = None) -> Optional[ReportWriter]:
+    """A guard's started writer: `report_dir` if given, else `KVGUARD_REPORT_DIR`; None for no files."""
+    env_dir, cap = STATE.output()
+    if report_dir is not None:
+        writer = writer_for(os.fspath(report_dir), "report_dir", cap)
+    elif env_dir:
+        writer = writer_for(env_dir, "KVGUARD_REPORT_DIR", cap)
+    else:
+        return None
+    return writer if writer is not None and writer.begin() else None
+
+
+def writer_for(directory: str, source: str, cap: Optional[int] = None) -> Optional[ReportWriter]:
+    """The writer for `directory` (created on first use), or None when it cannot be used.
+
+    A directory that cannot be used is one line naming `source` (`KVGUARD_REPORT_DIR`,
+    `report_dir`), once; the job runs on without files there.
+    """
+    global _finish_registered
+    key = os.path.abspath(directory)
+    if key in STATE.writers:
+        return STATE.writers[key]  # type: ignore[no-any-return]
+    problem = unusable(key)
+    writer = None
+    if problem is not None:
+        say(f"kvguard: {source}={directory!r} cannot be used ({problem}); the job runs on without report files")
+    else:
+        if not _finish_registered:
+            atexit.register(finish_all)
+            _finish_registered = True
+        writer = ReportWriter(key, DEFAULT_MAX_EVENTS if cap is None else cap)
+        STATE.listeners.append(writer)
+    STATE.writers[key] = writer
+    return writer
+
+
+def finish_all() -> None:
+    """At exit: a summary record from every writer that started and still works."""
+    try:
+        problems: list[str] = []
+        if STATE.settings is not None and STATE.settings.targets:
+            from kvguard._startup import diagnostics
+
+            problems = [line.removeprefix("kvguard: ") for line in diagnostics(STATE)]
+        for writer in STATE.writers.values():
+            if writer is not None and writer.started and writer in STATE.listeners:
+                try:
+                    writer.finish(problems)
+                except OSError as exc:
+                    STATE.drop(writer, exc)
+    except Exception as exc:  # noqa: BLE001 - at exit, after the job: one line, never a traceback
+        say(f"kvguard: could not finish the report files ({exc})")
+
+
+def unusable(directory: str) -> Optional[str]:
     """Why report files cannot be written in `directory` (created if missing), or None.
 
-    Checked when kvguard starts, so a bad `KVGUARD_REPORT_DIR` is one line at start-up,
-    not an error at the first event.
+    Checked when a directory is first named, so a bad one is one line at start-up, not an
+    error at the first event.
     """
     if os.path.exists(directory) and not os.path.isdir(directory):
         return "it is a file, not a directory"
@@ -71,31 +168,25 @@ def unusable(directory: str) -> str | None:
     return None
 
 
-def read(path: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """Events from a report file or a directory of them, and a list of problems found."""
-    records: list[dict[str, Any]] = []
-    problems: list[str] = []
-    for file in _files(path):
-        with open(file, encoding="utf-8") as fh:
-            for n, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                    if not isinstance(record, dict) or "path" not in record:
-                        raise ValueError("not a kvguard event")
-                    records.append(record)
-                except ValueError as exc:
-                    problems.append(f"{file}:{n}: skipped a malformed line ({exc})")
-    return records, problems
+def _who(kind: str, info: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """The fields every record starts with; headers and summaries add the rank's full tags."""
+    record: dict[str, Any] = {"schema": SCHEMA, "record": kind, "run": _ranks.run_id(), "time": time.time(),
+                              "host": socket.gethostname(), "pid": os.getpid()}
+    info = info if info is not None else _ranks.rank_info()
+    record["rank"] = info.get("rank")
+    if kind != "event":
+        record.update(world_size=info.get("world_size"), local_rank=info.get("local_rank"),
+                      tags={k: v for k, v in info.items() if k not in ("rank", "world_size", "local_rank")})
+    return record
 
 
-def _files(path: str) -> Iterator[str]:
-    if os.path.isdir(path):
-        names = sorted(n for n in os.listdir(path) if n.startswith(FILE_PREFIX) and n.endswith(".jsonl"))
-        for name in names:
-            yield os.path.join(path, name)
-    elif os.path.isfile(path):
-        yield path
-    else:
-        raise FileNotFoundError(f"no kvguard report file or directory at {path!r}")
+def _version(package: str) -> Optional[str]:
+    module = sys.modules.get(package)
+    if module is not None and isinstance(getattr(module, "__version__", None), str):
+        return str(module.__version__)
+    try:
+        from importlib.metadata import version
+
+        return version(package)
+    except Exception:  # noqa: BLE001 - a version is decoration
+        return None

@@ -64,18 +64,16 @@ def _start() -> None:
     if not settings.targets:
         say("kvguard: KVGUARD is on but KVGUARD_TARGETS names no function to guard")
         return
+    from kvguard import _importhook, _ranks
+
+    _ranks.run_id()  # exported now, so the processes this one starts share it (torchrun's workers)
     if settings.report_dir:
-        from kvguard._reportfile import JsonlSink, unusable
+        from kvguard._reportfile import writer_for
 
-        problem = unusable(settings.report_dir)
-        if problem is None:
-            STATE.listeners.append(JsonlSink(settings.report_dir))
-        else:
-            say(f"kvguard: KVGUARD_REPORT_DIR={settings.report_dir!r} cannot be used ({problem}); "
-                "the job runs on without report files")
-    from kvguard import _importhook
-
-    _importhook.install(settings.targets, settings.action, settings.keys, settings.ignore)
+        # Checked now; the header waits for a target, so torchrun's agent writes none.
+        writer_for(settings.report_dir, "KVGUARD_REPORT_DIR", STATE.output()[1])
+    _importhook.install(settings.targets, settings.action, settings.keys, settings.ignore, settings.allow,
+                        settings.calls)
     atexit.register(_print_summary)
 
 
@@ -84,9 +82,9 @@ def _print_summary() -> None:
     from kvguard._render import say
     from kvguard._state import STATE
 
-    if not STATE.patched and not STATE.events and _is_helper_process():
+    if not STATE.patched and not STATE.tally.calls and _is_helper_process():
         return  # torchrun's agent, a DataLoader worker: not where the targets run
-    say(STATE.summary(_ranks.rank_tag()))
+    say("\n".join(STATE.tally.lines(_ranks.rank_tag(), calls=str(STATE.settings.calls))))
     for line in diagnostics(STATE):
         say(line)
 
@@ -95,8 +93,9 @@ def diagnostics(state: "State") -> list[str]:
     """One `kvguard: ...` line for each way the settings guarded less than they say."""
     settings = state.settings
     lines = []
+    targets = state.tally.targets
     for target in settings.targets:
-        stats = state.targets.get(str(target))
+        stats = targets.get(str(target))
         if str(target) not in state.patched:
             if target.module not in sys.modules:
                 lines.append(f"kvguard: target {target.module}:{target.qualname} was never imported "
@@ -104,26 +103,30 @@ def diagnostics(state: "State") -> list[str]:
             continue  # imported but not patchable: said when it was imported
         assert stats is not None
         skipped = sum(stats.unguardable.values())
-        if stats.calls == 0 and not skipped:
+        if stats.calls == 0 and stats.unguarded_calls and not skipped:
+            lines.append(f"kvguard: target {target}: KVGUARD_CALLS={settings.calls} selected none of its "
+                         f"{stats.unguarded_calls} call{'s' if stats.unguarded_calls != 1 else ''}")
+        elif stats.calls == 0 and not skipped:
             lines.append(f"kvguard: target {target} was never called")
         elif stats.calls == 0:
             kinds = ", ".join(sorted(stats.unguardable))
             lines.append(f"kvguard: target {target}: {target.argname} was never guarded in {skipped} "
-                         f"call{'s' if skipped != 1 else ''}: it held {kinds}, and kvguard guards dicts, "
-                         "lists, tuples and tensors")
+                         f"call{'s' if skipped != 1 else ''}: it held {kinds}, whose contents kvguard does "
+                         "not walk (it walks mappings, sequences, dataclasses, namespaces and pytree nodes)")
         elif stats.protected == 0:
             lines.append(f"kvguard: target {target}: {target.argname} held no tensor in "
                          f"{stats.calls} guarded call{'s' if stats.calls != 1 else ''}")
-    seen = set().union(*(s.keys_seen for s in state.targets.values())) if state.targets else set()
+    seen = set().union(*(s.keys_seen for s in targets.values())) if targets else set()
     missing = [k for k in settings.keys or () if k not in seen]
-    if missing and state.guarded_calls:
+    if missing and state.tally.calls:
         held = ", ".join(sorted(map(str, seen))[:8]) or "no keys"
         lines.append(f"kvguard: KVGUARD_KEYS names {', '.join(map(repr, missing))}, which no guarded "
                      f"argument ever held (they held {held})")
-    from kvguard._reportfile import JsonlSink
+    from kvguard._reportfile import ReportWriter
 
-    if settings.action == "record" and state.events and not any(isinstance(x, JsonlSink) for x in state.listeners):
-        lines.append(f"kvguard: KVGUARD=record kept {state.events} event{'s' if state.events != 1 else ''} "
+    writes = state.tally.writes
+    if settings.action == "record" and writes and not any(isinstance(x, ReportWriter) for x in state.listeners):
+        lines.append(f"kvguard: KVGUARD=record kept {writes} event{'s' if writes != 1 else ''} "
                      "in memory only; set KVGUARD_REPORT_DIR=DIR to write them to files, or use "
                      "KVGUARD=warn to print them")
     return lines
@@ -160,7 +163,8 @@ def _main_names() -> set[str]:
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     argv0 = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-m") else ""
     names = {os.path.splitext(os.path.basename(argv0))[0]} if argv0 else set()
-    return names | ({spec.name} if getattr(spec, "name", None) else set())
+    name = getattr(spec, "name", None)
+    return names | ({name} if isinstance(name, str) and name else set())
 
 
 def _is_helper_process() -> bool:

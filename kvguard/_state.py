@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import os
+from typing import Any, Callable, Optional
+
+from kvguard._tally import SiteKey, Tally, TargetStats
 
 Listener = Callable[[Any, Any], None]  # (MutationEvent, Guard)
 
 
-class TargetStats:
-    """What the calls of one env-activated target held, for the exit diagnostics."""
-
-    def __init__(self) -> None:
-        self.calls = 0  # guarded calls
-        self.unguardable: dict[str, int] = {}  # calls skipped, by the argument's type
-        self.protected = 0  # tensors protected over all calls
-        self.keys_seen: set[Any] = set()  # top-level keys the argument held
-
-
 class State:
-    """Env activation's settings, counters for the exit summary, listeners, and undo."""
+    """Env activation's settings, what every guard saw, report writers, listeners, and undo."""
 
     def __init__(self) -> None:
         self.reset()
@@ -27,38 +20,64 @@ class State:
         self.settings: Any = None
         self.started = False
         self.patched: list[str] = []  # targets guarded in this process
-        self.targets: dict[str, TargetStats] = {}  # what each patched target's calls held
-        self.guarded_calls = 0
-        self.events = 0
-        self.sites: set[tuple[str, str, int]] = set()
+        self.tally = Tally()  # every guard of the process, for the exit summary
+        self.shown: set[SiteKey] = set()  # sites whose first write was printed
+        self.writers: dict[str, Any] = {}  # report directory -> its ReportWriter, None when unusable
         self.listeners: list[Listener] = []
         self.undo: list[Callable[[], None]] = []
+        self._output: tuple[tuple[Optional[str], Optional[str]], tuple[Optional[str], Optional[int]]] = (
+            (None, None), (None, None))
 
     def target_stats(self, target: str) -> TargetStats:
-        return self.targets.setdefault(target, TargetStats())
+        return self.tally.target(target)
+
+    def output(self) -> tuple[Optional[str], Optional[int]]:
+        """`KVGUARD_REPORT_DIR` and `KVGUARD_MAX_EVENTS` (None when unset), for every guard.
+
+        Read again when the variables change; a bad cap is one line, then the default.
+        """
+        raw = (os.environ.get("KVGUARD_REPORT_DIR") or None, os.environ.get("KVGUARD_MAX_EVENTS"))
+        if raw != self._output[0]:
+            from kvguard import _config
+            from kvguard._errors import ConfigError
+
+            try:
+                cap = _config.parse_max_events(raw[1])
+            except ConfigError as exc:
+                from kvguard._render import say
+
+                say(f"kvguard: {exc}; using {_config.DEFAULT_MAX_EVENTS}")
+                cap = None
+            self._output = (raw, (raw[0], cap))
+        return self._output[1]
+
+    def first_sighting(self, event: Any) -> bool:
+        """Whether this is the first write at its site to be shown (a panel, a warning)."""
+        key = (event.filename, event.lineno, event.op)
+        if key in self.shown:
+            return False
+        self.shown.add(key)
+        return True
 
     def publish(self, event: Any, guard: Any) -> None:
-        """Tell every listener (report files, counters) about an event.
+        """Tell every listener (report files) about an event.
 
         A listener that fails is dropped with one line on stderr: writing a report must
         never replace the user's error or stop the op.
         """
-        self.events += 1
-        self.sites.add((event.path, event.filename, event.lineno))
         for listener in list(self.listeners):
             try:
                 listener(event, guard)
             except Exception as exc:  # noqa: BLE001
-                self.listeners.remove(listener)
-                from kvguard._render import say
+                self.drop(listener, exc)
 
-                say(f"kvguard: {listener} failed ({exc}); it gets no further events")
+    def drop(self, listener: Any, exc: Exception) -> None:
+        """Stop sending events to a listener that failed, saying so in one line."""
+        if listener in self.listeners:
+            self.listeners.remove(listener)
+        from kvguard._render import say
 
-    def summary(self, tag: str = "") -> str:
-        who = f"kvguard [{tag}]" if tag else "kvguard"
-        return (f"{who}: {self.guarded_calls} guarded call{'s' if self.guarded_calls != 1 else ''}, "
-                f"{self.events} event{'s' if self.events != 1 else ''} at {len(self.sites)} distinct "
-                f"site{'s' if len(self.sites) != 1 else ''}")
+        say(f"kvguard: {listener} failed ({exc}); it gets no further events")
 
     def uninstall(self) -> None:
         """Undo every patch kvguard made in this process, newest first."""

@@ -6,7 +6,9 @@ pure: it reads schemas and tensor metadata, never tensor values.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+import itertools
+import math
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -174,32 +176,45 @@ def _sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
     return []
 
 
-def element_starts(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Sorted absolute byte addresses of `t`'s elements that start in `[lo, hi)`.
+class Runs(NamedTuple):
+    """A strided tensor's element bytes as equal runs: `start + Σ i_k·stride_k + [0, length)`.
 
-    O(numel) in int64 arithmetic on the CPU, built dimension by dimension so that the
-    intermediate never exceeds the result; used only when two spans overlap and one of
-    them is not dense.
+    Dims of size 1 or stride 0 add no byte and are dropped; dims whose steps touch or
+    overlap the run below them are folded into it. A dense tensor is one run,
+    `logits[:, :-1, :]` two, `x[:, ::2]` one per element.
     """
+
+    start: int  # absolute address of the first run
+    length: int  # bytes per run
+    dims: tuple[tuple[int, int], ...]  # (count, byte stride) of the other dims, strides ascending
+
+
+def runs(t: torch.Tensor) -> Runs:
+    """`t`'s bytes as runs (O(rank); `t` strided, with memory)."""
     size = t.element_size()
-    offsets = torch.tensor([t.data_ptr()], dtype=torch.int64)
-    # Fold in the dimensions with the largest strides first, dropping addresses that
-    # cannot reach the window, so the work stays proportional to the overlap.
-    dims = sorted(zip(t.shape, t.stride()), key=lambda p: -p[1])
-    reach_after = [0] * (len(dims) + 1)
-    for i in range(len(dims) - 1, -1, -1):
-        n, s = dims[i]
-        reach_after[i] = reach_after[i + 1] + (n - 1) * s * size
-    for i, (n, s) in enumerate(dims):
-        step = torch.arange(n, dtype=torch.int64) * (s * size)
-        offsets = (offsets[:, None] + step[None, :]).reshape(-1)
-        offsets = offsets[(offsets + reach_after[i + 1] + size > lo) & (offsets < hi)]
-    result: torch.Tensor = torch.unique(offsets[(offsets + size > lo) & (offsets < hi)])
-    return result
+    dims = sorted((s * size, n) for n, s in zip(t.shape, t.stride()) if n > 1 and s != 0)
+    length, i = size, 0
+    while i < len(dims) and dims[i][0] <= length:  # the next copy starts inside or right after
+        length += (dims[i][1] - 1) * dims[i][0]
+        i += 1
+    return Runs(t.data_ptr(), length, tuple((n, s) for s, n in dims[i:]))
+
+
+# Nodes the exact overlap search may visit before counting runs out window by window. Views
+# made by slicing, select, transpose, split, unfold or dtype views need a handful; only
+# as_strided layouts whose strides interleave with no common step can need more.
+SEARCH_BUDGET = 20_000
+_WINDOW = 1 << 20  # bytes per window of the enumeration fallback
 
 
 def elements_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether any byte of an element of `a` is also a byte of an element of `b`."""
+    """Whether any byte of an element of `a` is also a byte of an element of `b`.
+
+    Exact, in O(rank) for the layouts views make: the question is whether some run of `a`
+    meets some run of `b`, i.e. whether a sum of the two tensors' strides times bounded
+    indices lands in one open interval (`_sum_hits`). Never enumerates elements, except
+    in windows of bounded size for the rare as_strided layout the search gives up on.
+    """
     (sa,), (sb,) = spans(a) or (None,), spans(b) or (None,)
     if sa is None or sb is None:
         return False
@@ -208,22 +223,241 @@ def elements_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if dense(sa, a) and dense(sb, b):
         return True
-    size_a, size_b = a.element_size(), b.element_size()
-    starts_a = element_starts(a, lo - size_a + 1, hi)
-    starts_b = element_starts(b, lo - size_b + 1, hi)
-    if starts_a.numel() == 0 or starts_b.numel() == 0:
-        return False
-    # For each element of b, the last element of a starting before b's element ends.
-    idx = torch.searchsorted(starts_a, starts_b + size_b) - 1
-    valid = idx >= 0
-    return bool(((starts_a[idx.clamp(min=0)] + size_a > starts_b) & valid).any())
+    ra, rb = runs(a), runs(b)
+    found = runs_meet(ra, rb)
+    return _runs_meet_in_windows(ra, rb, lo, hi) if found is None else found
+
+
+def runs_meet(a: Runs, b: Runs, budget: int = SEARCH_BUDGET) -> Optional[bool]:
+    """Whether a run of `a` shares a byte with a run of `b`; None if the search ran out of budget.
+
+    The run of `a` at `a.start + Σ c·s` and the run of `b` at `b.start + Σ d·t` meet iff
+    `V = Σ d·t - Σ c·s` lies strictly between `Δ - b.length` and `Δ + a.length`, with
+    `Δ = a.start - b.start`. Dims of either tensor with the same stride become one term
+    (`d - c` covers a range of integers), and a term whose stride is a multiple of a smaller
+    one that steps through it is folded into that one, so common layouts become one or two terms.
+    """
+    ranges: dict[int, list[int]] = {}
+    for n, s in a.dims:
+        ranges.setdefault(s, [0, 0])[0] -= n - 1
+    for n, s in b.dims:
+        ranges.setdefault(s, [0, 0])[1] += n - 1
+    terms: list[list[int]] = []
+    for w, (low, high) in sorted(ranges.items()):
+        for term in reversed(terms):
+            j = w // term[0]
+            if j * term[0] == w and j <= term[2] - term[1] + 1:  # w steps within term's reach
+                term[1] += j * low
+                term[2] += j * high
+                break
+        else:
+            terms.append([w, low, high])
+    delta = a.start - b.start
+    return _sum_hits(terms, delta - b.length, delta + a.length, budget)
+
+
+def _sum_hits(terms: list[list[int]], lo: int, hi: int, budget: int) -> Optional[bool]:
+    """Whether some `Σ v·w` over `terms` ([w, low, high], w ascending, `v` an integer in
+    [low, high]) lies strictly between `lo` and `hi`; None once `budget` nodes are spent.
+
+    Depth-first over the largest weights. For the first k terms the sums lie in
+    [rmin, rmax] with no two consecutive ones more than `gap` apart, so an interval holding
+    `gap` consecutive integers of that range holds a sum; otherwise only the values of the
+    k-th term that can still reach the interval are tried (one or two for nested strides).
+    """
+    if not terms:
+        return lo < 0 < hi
+    rmin: list[int] = []
+    rmax: list[int] = []
+    gaps: list[int] = []
+    low_sum = high_sum = gap = 0
+    for w, low, high in terms:
+        spread = high_sum - low_sum
+        gap = w if not gaps else (gap if w <= spread + gap else w - spread)
+        low_sum += low * w
+        high_sum += high * w
+        rmin.append(low_sum)
+        rmax.append(high_sum)
+        gaps.append(gap)
+    stack = [(len(terms) - 1, lo, hi)]
+    while stack:
+        k, a, b = stack.pop()
+        x, y = max(a + 1, rmin[k]), min(b - 1, rmax[k])  # the integers of (a, b) in reach
+        if x > y:
+            continue
+        if x == rmin[k] or y == rmax[k] or y - x + 1 >= gaps[k]:
+            return True
+        w, low, high = terms[k]
+        below_min, below_max = (rmin[k - 1], rmax[k - 1]) if k else (0, 0)
+        v_lo = max(low, -((below_max - x) // w))  # ceil((x - below_max) / w)
+        v_hi = min(high, (y - below_min) // w)
+        if k == 0:
+            if v_lo <= v_hi:
+                return True
+            continue
+        budget -= max(0, v_hi - v_lo + 1)
+        if budget < 0:
+            return None
+        stack.extend((k - 1, a - v * w, b - v * w) for v in range(v_lo, v_hi + 1))
+    return False
+
+
+def _runs_meet_in_windows(a: Runs, b: Runs, lo: int, hi: int) -> bool:
+    """`runs_meet` by enumeration, one `_WINDOW` of `[lo, hi)` at a time (bounded memory)."""
+    for start in range(lo, hi, _WINDOW):
+        stop = min(start + _WINDOW, hi)
+        starts_a, starts_b = run_starts(a, start, stop), run_starts(b, start, stop)
+        if starts_a.numel() == 0 or starts_b.numel() == 0:
+            continue
+        # For each run of b, the last run of a starting before it ends (runs of a are equal,
+        # so that one reaches furthest).
+        idx = torch.searchsorted(starts_a, starts_b + b.length) - 1
+        if bool(((starts_a[idx.clamp(min=0)] + a.length > starts_b) & (idx >= 0)).any()):
+            return True
+    return False
+
+
+def run_starts(r: Runs, lo: int, hi: int) -> torch.Tensor:
+    """Sorted distinct starts of the runs of `r` that have a byte in `[lo, hi)`.
+
+    Folds in the dims with the largest strides first, keeping only the index values that
+    can still reach the window, so no intermediate holds runs outside it.
+    """
+    dims = sorted(r.dims, key=lambda d: -d[1])
+    reach_after = [0] * (len(dims) + 1)
+    for i in range(len(dims) - 1, -1, -1):
+        n, s = dims[i]
+        reach_after[i] = reach_after[i + 1] + (n - 1) * s
+    offsets = torch.tensor([r.start], dtype=torch.int64)
+    for i, (n, s) in enumerate(dims):
+        # index j survives iff off + j*s + reach_after + length > lo and off + j*s < hi
+        first = torch.div(lo - reach_after[i + 1] - r.length - offsets, s, rounding_mode="floor") + 1
+        last = torch.div(hi - 1 - offsets, s, rounding_mode="floor")
+        first, last = first.clamp(min=0), last.clamp(max=n - 1)
+        counts = (last - first + 1).clamp(min=0)
+        total = int(counts.sum())
+        if total == 0:
+            return offsets[:0]
+        ends = counts.cumsum(0)
+        step = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(ends - counts, counts)
+        offsets = torch.repeat_interleave(offsets, counts) + (torch.repeat_interleave(first, counts) + step) * s
+    offsets = offsets[(offsets + r.length > lo) & (offsets < hi)]
+    result: torch.Tensor = torch.unique(offsets)
+    return result
+
+
+# A write's own runs, up to this many, each give a range of the entry's elements to copy
+# before the write; a write with more runs is taken as its whole span.
+MAX_WRITTEN_RUNS = 64
+
+
+def flat_ranges(t: torch.Tensor, written: Sequence[torch.Tensor]) -> Optional[list[tuple[int, int]]]:
+    """The elements of `t` a write to `written` can change, as sorted index ranges `[i, j)`.
+
+    Indices count `t`'s elements in memory order: row-major over `t.permute(memory_order(t))`,
+    which is `t` itself unless it is transposed or permuted. None means "every element":
+    `t` has no readable memory, is not a plain strided tensor, or no order of its dims
+    follows memory. Raises nothing.
+    """
+    try:
+        if t.layout != _STRIDED or t.is_nested or t.is_quantized or t.numel() == 0 or not spans(t):
+            return None
+        order = memory_order(t)
+        if order is None:
+            return None
+        windows: list[tuple[int, int]] = []
+        for w in written:
+            windows += _write_windows(w, t.device)
+        if not windows:
+            return None
+        size = t.element_size()
+        shape = [t.shape[d] for d in order]
+        strides = [t.stride(d) * size for d in order]
+        found = sorted(r for lo, hi in windows
+                       if (r := _index_range(t.data_ptr(), size, shape, strides, lo, hi))[0] < r[1])
+        merged: list[tuple[int, int]] = []
+        for i, j in found:
+            if merged and i <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], j))
+            else:
+                merged.append((i, j))
+        return merged or None
+    except Exception:  # noqa: BLE001 - a guard must never crash on an unusual tensor
+        return None
+
+
+def memory_order(t: torch.Tensor) -> Optional[tuple[int, ...]]:
+    """A permutation of `t`'s dims whose row-major order never steps back in memory.
+
+    The identity when it already does (contiguous tensors and their slices), else the dims
+    by decreasing stride (transposed, permuted, expanded); None if even that steps back,
+    which only as_strided layouts with interleaved strides do.
+    """
+    shape, stride = t.shape, t.stride()
+    identity = tuple(range(t.dim()))
+    if _ascending(shape, stride, identity):
+        return identity
+    order = tuple(sorted(identity, key=lambda d: -stride[d]))
+    return order if _ascending(shape, stride, order) else None
+
+
+def _ascending(shape: Sequence[int], stride: Sequence[int], order: Sequence[int]) -> bool:
+    reach = 0  # how far the dims inside the current one reach
+    for d in reversed(order):
+        if shape[d] > 1:
+            if stride[d] < reach:
+                return False
+            reach += (shape[d] - 1) * stride[d]
+    return True
+
+
+def _write_windows(w: torch.Tensor, device: Any) -> list[tuple[int, int]]:
+    """Byte windows `[lo, hi)` covering what writing `w` can change on `device`."""
+    found = [s for s in spans(w) if s.device == device]
+    if len(found) != 1 or w.layout != _STRIDED or w.is_nested:
+        return [(s.start, s.stop) for s in found]
+    r = runs(w)
+    if math.prod(n for n, _ in r.dims) > MAX_WRITTEN_RUNS:
+        return [(found[0].start, found[0].stop)]
+    starts = [r.start + sum(i * s for i, (_, s) in zip(idx, r.dims))
+              for idx in itertools.product(*(range(n) for n, _ in r.dims))]
+    return [(s, s + r.length) for s in starts]
+
+
+def _index_range(ptr: int, size: int, shape: Sequence[int], strides: Sequence[int],
+                 lo: int, hi: int) -> tuple[int, int]:
+    """`[i, j)`: the row-major indices of the layout whose element has a byte in `[lo, hi)`.
+
+    Addresses never decrease along the order, so both ends are found by binary search.
+    """
+    inner_first = list(zip(reversed(shape), reversed(strides)))
+
+    def address(i: int) -> int:
+        at = ptr
+        for n, s in inner_first:
+            i, c = divmod(i, n)
+            at += c * s
+        return at
+
+    def first(pred: Callable[[int], bool]) -> int:
+        a, b = 0, math.prod(shape)
+        while a < b:
+            mid = (a + b) // 2
+            if pred(mid):
+                b = mid
+            else:
+                a = mid + 1
+        return a
+    i = first(lambda k: address(k) + size > lo)
+    j = first(lambda k: address(k) >= hi)
+    return i, max(i, j)
 
 
 def storage_fingerprint(t: torch.Tensor) -> tuple[Any, ...]:
     """Identity and layout facts that change when a tensor is re-pointed or swapped."""
     try:
-        if t.layout != torch.strided:
-            return (t._cdata, t.layout, tuple(t.shape))
+        if t.layout != torch.strided:  # a sparse `add_` may reallocate its parts
+            return (t._cdata, t.layout, tuple(t.shape), tuple(p.data_ptr() for p in _sparse_parts(t)))
         ptr = t.data_ptr() if t.device.type != "meta" else 0
         return (t._cdata, ptr, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
     except Exception:  # noqa: BLE001

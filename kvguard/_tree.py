@@ -1,41 +1,299 @@
-"""Walk nested dicts, lists and tuples to the tensors inside, with paths you can paste.
+"""Walk guarded objects to the tensors inside, with paths you can paste.
+
+What is walked (each kind is recognised by its type, once per type per walk):
+
+- dicts, dict subclasses (`OrderedDict`, `defaultdict`, ...), lists, tuples and
+  namedtuples, read from their own storage (no `__getitem__`, no default factory);
+- dataclass instances (their fields, then any other instance attributes) and
+  `types.SimpleNamespace`: attribute steps, `exp.kl`;
+- objects registered as pytree nodes in `torch.utils._pytree` (TensorDict and its
+  relatives, `deque`, your own `register_pytree_node` classes), through their
+  flatten-with-keys function: `td['kl']`, `obj.field`, `lazy[0]`;
+- every other `collections.abc.Mapping` (`UserDict`, ...), through `iter` and `[key]`.
+
+Anything else (modules, argparse namespaces, numpy arrays, arbitrary objects) is a leaf.
+
+Placement is noticed by comparing, by identity, what the watched containers hold: every
+dict and list met, the instance `__dict__` of every attribute container, and the
+dicts and lists that non-dict Mappings and pytree nodes keep in their `__dict__` (a
+TensorDict's `_tensordict`, a `UserDict`'s `data`). Slots and deques, which the C check
+cannot see into, are read in Python; only guards that hold one pay for it.
 
 Stdlib only: a leaf is a tensor when `is_tensor(leaf)` says so, so this module never
-imports torch.
+imports torch; it reads `torch.utils._pytree` only when torch is already imported.
 """
 
 from __future__ import annotations
 
-from itertools import chain
+import collections
+import dataclasses
+import keyword
+import sys
+import types
+from collections.abc import Mapping
+from itertools import chain, islice
 from operator import is_
 from typing import Any, Callable, Collection, Iterator, NamedTuple, Optional
 
-Container = Any  # dict | list | tuple
+Container = Any  # anything walked: dict, list, tuple, dataclass, namespace, pytree node, Mapping
+
+
+class Attr(NamedTuple):
+    """An attribute step of a chain: `exp.kl` is `(exp, Attr("kl"))`; an item step is the key itself."""
+
+    name: str
 
 
 class Leaf(NamedTuple):
-    """A tensor found in the tree: its path, itself, and `(container, key)` from the root."""
+    """A tensor found in the tree: its path, itself, and `(container, step)` from the root."""
 
     path: str
     tensor: Any
     chain: tuple[tuple[Container, Any], ...]
 
 
-def child_items(obj: Container) -> Iterator[tuple[Any, str, Any]]:
-    """`(key, path suffix, child)` of one container: `['kl']`, `[0]`, `.field`."""
-    if isinstance(obj, dict):
-        for key, value in list(obj.items()):
-            yield key, f"[{key!r}]", value
-    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        for field, value in zip(obj._fields, obj):
-            yield field, f".{field}", value
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(list(obj)):
-            yield i, f"[{i}]", value
+class Probe(NamedTuple):
+    """A container the C check cannot see into (slots, a deque): `read(obj)` gives what it holds."""
+
+    obj: Any
+    read: Callable[[Any], tuple[Any, ...]]
+
+
+# kinds of container
+_LEAF, _DICT, _LIST, _TUPLE, _NAMEDTUPLE, _DATACLASS, _NAMESPACE, _PYTREE, _MAPPING = range(9)
+_ATTRIBUTE_KINDS = (_DATACLASS, _NAMESPACE, _PYTREE, _MAPPING)
+
+
+def _pytree() -> Optional[types.ModuleType]:
+    """`torch.utils._pytree`, only if torch is imported already (never imports torch)."""
+    if "torch" not in sys.modules:
+        return None
+    module = sys.modules.get("torch.utils._pytree")
+    if module is None:
+        try:
+            import importlib
+
+            module = importlib.import_module("torch.utils._pytree")
+        except Exception:  # noqa: BLE001 - a torch without it: no pytree nodes
+            return None
+    return module
+
+
+def _pytree_nodes() -> Optional[Mapping[type, Any]]:
+    nodes = getattr(_pytree(), "SUPPORTED_NODES", None)
+    return nodes if isinstance(nodes, dict) else None
+
+
+def _kind(tp: type, nodes: Optional[Mapping[type, Any]]) -> int:
+    try:
+        if issubclass(tp, dict):
+            return _DICT
+        if issubclass(tp, list):
+            return _LIST
+        if issubclass(tp, tuple):
+            return _NAMEDTUPLE if isinstance(getattr(tp, "_fields", None), tuple) else _TUPLE
+        if nodes is not None and tp in nodes:
+            return _PYTREE
+        if dataclasses.is_dataclass(tp):
+            return _DATACLASS
+        if issubclass(tp, types.SimpleNamespace):
+            return _NAMESPACE
+        if issubclass(tp, Mapping):
+            return _MAPPING
+    except Exception:  # noqa: BLE001 - a metaclass whose checks raise: not walked
+        pass
+    return _LEAF
+
+
+def walkable(obj: Any) -> bool:
+    """Whether `walk` looks inside `obj` (a tensor is a leaf, not walkable)."""
+    return _kind(type(obj), _pytree_nodes()) != _LEAF
 
 
 def is_container(obj: Any) -> bool:
-    return isinstance(obj, (dict, list, tuple))
+    return walkable(obj)
+
+
+def _repr(key: Any) -> str:
+    try:
+        return repr(key)
+    except Exception:  # noqa: BLE001 - a key whose repr raises
+        return f"<{type(key).__name__}>"
+
+
+def _attr(name: Any) -> str:
+    if isinstance(name, str) and name.isidentifier() and not keyword.iskeyword(name):
+        return f".{name}"
+    return f".__dict__[{_repr(name)}]"  # setattr(ns, "a-b", t)
+
+
+def _instance_dict(obj: Any) -> Optional[dict[str, Any]]:
+    try:
+        found = object.__getattribute__(obj, "__dict__")
+    except Exception:  # noqa: BLE001 - no __dict__ (slots), or a property that raises
+        return None
+    return found if isinstance(found, dict) else None
+
+
+# One child: (key for `keys`/`ignore`, the child, chain step, path suffix if not the step's own)
+_Child = tuple[Any, Any, Any, Optional[str]]
+
+
+def _suffix(step: Any) -> str:
+    """The path suffix of a chain step: `.kl` for `Attr("kl")`, `['kl']` / `[0]` for an item."""
+    return _attr(step.name) if type(step) is Attr else f"[{_repr(step)}]"
+
+
+def _children(obj: Any, kind: int) -> list[_Child]:
+    """The children of one container, in order; user code that raises stops the list there."""
+    if kind == _DICT:
+        return [(key, value, key, None) for key, value in dict.items(obj)]
+    if kind == _LIST:
+        return [(i, value, i, None) for i, value in enumerate(list.copy(obj))]
+    if kind == _TUPLE:
+        return [(i, value, i, None) for i, value in enumerate(tuple(obj))]
+    if kind == _NAMEDTUPLE:
+        return [(field, value, Attr(field), None) for field, value in zip(type(obj)._fields, tuple(obj))]
+    if kind == _NAMESPACE:
+        return [(name, value, Attr(name), None) for name, value in list((_instance_dict(obj) or {}).items())]
+    found: list[_Child] = []
+    try:
+        more = (_dataclass_children(obj) if kind == _DATACLASS else _pytree_children(obj) if kind == _PYTREE
+                else _mapping_children(obj) if kind == _MAPPING else iter(()))
+        for child in more:
+            found.append(child)
+    except Exception:  # noqa: BLE001 - a flatten or an iteration that raises: what came before
+        pass
+    return found
+
+
+def _dataclass_children(obj: Any) -> Iterator[_Child]:
+    """Fields in order (from the instance dict, else through slots), then other attributes."""
+    own = _instance_dict(obj) or {}
+    names = [f.name for f in dataclasses.fields(obj)]
+    for name in names:
+        if name in own:
+            value = own[name]
+        else:
+            try:
+                value = getattr(obj, name)
+            except Exception:  # noqa: BLE001 - an unset slot, a property that raises
+                continue
+        yield name, value, Attr(name), None
+    fields = set(names)
+    for name, value in list(own.items()):
+        if name not in fields:
+            yield name, value, Attr(name), None
+
+
+def _pytree_children(obj: Any) -> Iterator[_Child]:
+    pytree = _pytree()
+    if pytree is None:
+        return
+    node = pytree.SUPPORTED_NODES.get(type(obj))
+    if node is None:
+        return
+    if node.flatten_with_keys_fn is None:
+        children, _ = node.flatten_fn(obj)
+        for i, value in enumerate(children):
+            yield i, value, i, None
+        return
+    pairs, _ = node.flatten_with_keys_fn(obj)
+    for entry, value in pairs:
+        if isinstance(entry, pytree.MappingKey):
+            yield entry.key, value, entry.key, None
+        elif isinstance(entry, pytree.SequenceKey):
+            yield entry.idx, value, entry.idx, None
+        elif isinstance(entry, pytree.GetAttrKey):
+            yield entry.name, value, Attr(entry.name), None
+        else:
+            try:
+                suffix = str(entry)
+            except Exception:  # noqa: BLE001
+                suffix = f"[{_repr(entry)}]"
+            yield entry, value, entry, suffix
+
+
+def _mapping_children(obj: Mapping[Any, Any]) -> Iterator[_Child]:
+    """Any other Mapping: its keys (at most `len()` of them), each read once with `[key]`."""
+    for key in list(islice(iter(obj), len(obj))):
+        try:
+            value = obj[key]
+        except Exception:  # noqa: BLE001 - a key whose lookup raises: skipped
+            continue
+        yield key, value, key, None
+
+
+def child_items(obj: Container) -> Iterator[tuple[Any, str, Any]]:
+    """`(key, path suffix, child)` of one container: `['kl']`, `[0]`, `.field`."""
+    try:
+        children = _children(obj, _kind(type(obj), _pytree_nodes()))
+    except Exception:  # noqa: BLE001
+        return
+    for key, value, step, suffix in children:
+        yield key, suffix if suffix is not None else _suffix(step), value
+
+
+def _slot_descriptors(tp: type) -> tuple[Any, ...]:
+    """The member descriptors of every slot of `tp` (its own and its bases')."""
+    found = []
+    for klass in tp.__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            desc = klass.__dict__.get(name)
+            if isinstance(desc, types.MemberDescriptorType):
+                found.append(desc)
+    return tuple(found)
+
+
+_UNSET = object()  # an empty slot
+
+
+def _read_slots(descriptors: tuple[Any, ...]) -> Callable[[Any], tuple[Any, ...]]:
+    def read(obj: Any) -> tuple[Any, ...]:
+        values = []
+        for desc in descriptors:
+            try:
+                values.append(desc.__get__(obj, type(obj)))
+            except AttributeError:
+                values.append(_UNSET)
+        return tuple(values)
+    return read
+
+
+def _watch(obj: Any, kind: int, watched: list[Container], ids: set[int], slots: dict[type, tuple[Any, ...]]) -> None:
+    """Add what must be compared to notice a store into `obj`."""
+
+    def add(container: Any) -> None:
+        if id(container) not in ids:
+            ids.add(id(container))
+            watched.append(container)
+
+    if kind in (_DICT, _LIST):
+        add(obj)
+        return
+    if kind not in _ATTRIBUTE_KINDS:
+        return  # tuples and namedtuples are immutable
+    attributes: list[Any] = []
+    own = _instance_dict(obj)
+    if own is not None:
+        add(own)
+        attributes += own.values()
+    tp = type(obj)
+    if isinstance(obj, collections.deque):
+        add(Probe(obj, tuple))
+    else:
+        descriptors = slots.get(tp)
+        if descriptors is None:
+            descriptors = slots[tp] = _slot_descriptors(tp)
+        if descriptors:
+            probe = Probe(obj, _read_slots(descriptors))
+            add(probe)
+            attributes += probe.read(obj)
+    if kind in (_PYTREE, _MAPPING):  # their storage: TensorDict._tensordict, UserDict.data
+        for value in attributes:
+            if isinstance(value, (dict, list)):
+                add(value)
 
 
 def walk(
@@ -44,33 +302,87 @@ def walk(
     is_tensor: Callable[[Any], bool],
     keys: Optional[Collection[Any]] = None,
     ignore: Collection[Any] = (),
+    top_keys: Optional[set[Any]] = None,
 ) -> tuple[list[Leaf], list[Container]]:
-    """All tensor leaves under `root` and every mutable container on the way.
+    """All tensor leaves under `root`, and what to watch to notice placements.
 
-    `keys` and `ignore` filter the top level only (dict keys or sequence indices). A
-    container met twice (shared or cyclic) is walked once; a tensor reachable by two
-    paths is listed under both, in walk order.
+    The second list holds the dicts and lists to compare (containers met on the way,
+    instance `__dict__`s, storage dicts) and `Probe`s for what only Python can read.
+    `keys` and `ignore` filter the top level only (dict keys, sequence indices, field
+    names); `top_keys`, if given, receives every top-level key. A container met twice
+    (shared or cyclic) is walked once; a tensor reachable by two paths is listed under
+    both, in walk order. User code that raises while being read (a Mapping's
+    `__getitem__`, a pytree flatten, a property) hides only what it would have given.
     """
     leaves: list[Leaf] = []
-    containers: list[Container] = []
+    watched: list[Container] = []
     seen: set[int] = set()
-
-    def visit(obj: Any, path: str, chain: tuple[tuple[Container, Any], ...]) -> None:
-        if is_tensor(obj):
-            leaves.append(Leaf(path, obj, chain))  # a tensor under two paths appears twice
-            return
-        if not is_container(obj) or id(obj) in seen:
-            return
+    watched_ids: set[int] = set()
+    kinds: dict[type, int] = {}
+    slots: dict[type, tuple[Any, ...]] = {}
+    nodes = _pytree_nodes()
+    if is_tensor(root):
+        return [Leaf(name, root, ())], watched
+    kinds[type(root)] = _kind(type(root), nodes)
+    # Depth first, children in order, on an explicit stack (deep chains cannot overflow
+    # it). Only tensors and containers are pushed: a wide dict of numbers costs one type
+    # lookup per value, with no path built for it.
+    stack: list[tuple[Any, str, tuple[tuple[Container, Any], ...], bool]] = [(root, name, (), False)]
+    while stack:
+        obj, path, chain_, is_leaf = stack.pop()
+        if is_leaf:
+            leaves.append(Leaf(path, obj, chain_))  # a tensor under two paths appears twice
+            continue
+        kind = kinds[type(obj)]
+        if kind == _LEAF or id(obj) in seen:
+            continue
         seen.add(id(obj))
-        if isinstance(obj, (dict, list)):
-            containers.append(obj)
-        for key, suffix, child in child_items(obj):
-            if not chain and (key in ignore or (keys is not None and key not in keys)):
+        _watch(obj, kind, watched, watched_ids, slots)
+        try:
+            children = _children(obj, kind)
+        except Exception:  # noqa: BLE001 - a container whose iteration raises
+            continue
+        if not chain_:
+            children = _top_level(children, keys, ignore, top_keys)
+        pending = []
+        for child in children:
+            value = child[1]
+            if is_tensor(value):
+                pending.append((child, True))
                 continue
-            visit(child, path + suffix, chain + ((obj, key),))
+            tp = type(value)
+            kind = kinds.get(tp, -1)
+            if kind == -1:
+                kind = kinds[tp] = _kind(tp, nodes)
+            if kind != _LEAF and id(value) not in seen:
+                pending.append((child, False))
+        for (_, value, step, suffix), leaf in reversed(pending):
+            stack.append((value, path + (suffix if suffix is not None else _suffix(step)),
+                          chain_ + ((obj, step),), leaf))
+    return leaves, watched
 
-    visit(root, name, ())
-    return leaves, containers
+
+def _top_level(children: list[_Child], keys: Optional[Collection[Any]], ignore: Collection[Any],
+               top_keys: Optional[set[Any]]) -> list[_Child]:
+    kept = []
+    for child in children:
+        key = child[0]
+        if top_keys is not None:
+            try:
+                top_keys.add(key)
+            except Exception:  # noqa: BLE001 - unhashable, or an __eq__ that raises
+                pass
+        if _contains(ignore, key) or (keys is not None and not _contains(keys, key)):
+            continue
+        kept.append(child)
+    return kept
+
+
+def _contains(collection: Collection[Any], key: Any) -> bool:
+    try:
+        return key in collection
+    except Exception:  # noqa: BLE001 - a key whose __eq__ or __hash__ raises matches nothing
+        return False
 
 
 _same_values_c: Optional[Callable[[tuple[Any, ...], tuple[Any, ...]], bool]]
@@ -90,12 +402,18 @@ class Snapshot(NamedTuple):
     containers: tuple[Any, ...]  # the dicts and lists themselves
     views: tuple[Any, ...]  # each list, and each dict's live `.values()` (the Python check)
     held: tuple[Any, ...]  # their values, in order
+    probes: tuple[tuple[Probe, Optional[tuple[Any, ...]]], ...] = ()  # (probe, what it read): in Python
+    probed: bool = False  # whether there are probes (a bool, so `changed` stays one expression)
 
 
 def snapshot(containers: list[Container]) -> Snapshot:
     """Remember what every container holds, to notice placements cheaply."""
-    views = tuple(c.values() if isinstance(c, dict) else c for c in containers)
-    return Snapshot(tuple(containers), views, tuple(chain.from_iterable(views)))
+    plain = tuple(c for c in containers if type(c) is not Probe)
+    # dict.values: the dict's own storage order, the order the C check walks (an
+    # OrderedDict's .values() follows its links instead)
+    views = tuple(dict.values(c) if isinstance(c, dict) else c for c in plain)
+    probes = tuple((c, _read(c)) for c in containers if type(c) is Probe)
+    return Snapshot(plain, views, tuple(chain.from_iterable(views)), probes, bool(probes))
 
 
 def changed(snap: Snapshot) -> bool:
@@ -106,11 +424,29 @@ def changed(snap: Snapshot) -> bool:
     A value that moved from one container to another is not a change: nothing new
     became reachable.
     """
-    if _same_values_c is not None:
-        return not _same_values_c(snap.containers, snap.held)
-    return _changed_py(snap)
+    if _same_values_c is not None:  # slots and deques: only guards that hold one pay for probes
+        return not _same_values_c(snap.containers, snap.held) or snap.probed and _probes_changed(snap)
+    return _changed_py(snap) or snap.probed and _probes_changed(snap)
 
 
 def _changed_py(snap: Snapshot) -> bool:
     views = snap.views
     return sum(map(len, views)) != len(snap.held) or not all(map(is_, chain.from_iterable(views), snap.held))
+
+
+def _read(probe: Probe) -> Optional[tuple[Any, ...]]:
+    try:
+        return probe.read(probe.obj)
+    except Exception:  # noqa: BLE001 - a deque mutated while read
+        return None
+
+
+def _probes_changed(snap: Snapshot) -> bool:
+    for probe, held in snap.probes:
+        now = _read(probe)
+        if now is None or held is None:
+            if now is not held:
+                return True
+        elif len(now) != len(held) or not all(map(is_, now, held)):
+            return True
+    return False

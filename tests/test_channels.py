@@ -768,15 +768,12 @@ UNSEEN = [
 ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="value writes that no op reports need a value fingerprint at exit (a later issue)",
-)
+@pytest.mark.parametrize("level", ["full", "light"])
 @pytest.mark.parametrize("mutate", UNSEEN)
-def test_unseen_value_writes_are_reported_at_exit(mutate: Callable[[Ctx], None]) -> None:
+def test_unseen_value_writes_are_reported_at_exit(mutate: Callable[[Ctx], None], level: str) -> None:
     ctx = _plain()
     snap = _snapshot(ctx["k"])
-    with kvguard.guard(ctx["rd"], name="rd", action="record") as g:
+    with kvguard.guard(ctx["rd"], name="rd", action="record", level=level) as g:
         mutate(ctx)
     assert not _intact(ctx["k"], snap), "the channel really wrote k"
     assert [(e.path, e.kind) for e in g.report.events] == [("rd['k']", "unobserved")]

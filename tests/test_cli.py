@@ -20,11 +20,11 @@ import pytest
 
 import kvguard.__main__ as cli
 from kvguard._events import MutationEvent
-from kvguard._reportfile import JsonlSink
+from kvguard._reportfile import ReportWriter
 
 ROOT = Path(__file__).resolve().parent.parent
 # The one line kvguard prints in a process that made one clean guarded call.
-CLEAN_SUMMARY = re.compile(r"kvguard: 1 guarded call, (?:0 events at 0 distinct sites|no events)\n")
+CLEAN_SUMMARY = re.compile(r"kvguard: 1 guarded call, no in-place writes\n")
 CLEAN_JOB = "def step(batch):\n    return sorted(batch)\n"
 DIRTY_JOB = "def step(batch):\n    batch['x'].add_(1)\n"
 
@@ -165,23 +165,32 @@ def _event(i: int) -> MutationEvent:
 
 
 class _Guard:
-    target, name, action = "trainer_loss:compute(rollout_data)", "rollout_data", "warn"
+    target, name, action, call = "trainer_loss:compute(rollout_data)", "rollout_data", "warn", 1
+
+    def __init__(self, report_dir: str) -> None:
+        self.report_dir = report_dir
 
 
 @pytest.fixture
-def many_events(tmp_path: Path) -> Path:
-    """A report directory whose table is far larger than a pipe's buffer."""
-    sink = JsonlSink(str(tmp_path))
+def many_events(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A report directory whose table is far larger than a pipe's buffer (1,500 sites, no summary)."""
+    monkeypatch.setenv("KVGUARD_RUN_ID", "many")
+    monkeypatch.delenv("RANK", raising=False)
+    writer = ReportWriter(str(tmp_path), limit=1500)
+    writer.begin()
     for i in range(1500):
-        sink(_event(i), _Guard())
+        writer(_event(i), _Guard(str(tmp_path)))
     return tmp_path
+
+
+MANY_HEADLINE = "kvguard: run many (1 process): 1 guarded call, 1,500 writes at 1,500 sites"
 
 
 def test_report_into_a_closed_pipe_is_quiet(many_events: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "kvguard", "report", str(many_events), "--width", "120"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     assert proc.stdout is not None and proc.stderr is not None
-    assert proc.stdout.readline().startswith("kvguard: 1500 events on 1 rank")
+    assert proc.stdout.readline().startswith(MANY_HEADLINE)
     proc.stdout.close()  # what `head -1` does
     with proc.stderr:
         err = proc.stderr.read()
@@ -192,7 +201,7 @@ def test_report_into_a_closed_pipe_is_quiet(many_events: Path) -> None:
 def test_report_through_head(many_events: Path) -> None:
     result = subprocess.run(f"{sys.executable} -m kvguard report {many_events} | head -1", shell=True,
                             capture_output=True, text=True, timeout=180, cwd=ROOT)
-    assert result.stdout.startswith("kvguard: 1500 events on 1 rank")
+    assert result.stdout.startswith(MANY_HEADLINE)
     assert result.stderr == ""
 
 

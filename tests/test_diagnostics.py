@@ -37,7 +37,9 @@ def test_this_install_ships_the_pth_file() -> None:
     assert pth.exists(), "reinstall kvguard (pip install -e .): this environment has no kvguard.pth"
     result = run("train.py", env={"KVGUARD": "warn", "KVGUARD_TARGETS": TARGET})
     assert "rollout_data['kl'][0] was modified in place by aten.mul_.Tensor" in result.stderr
-    assert result.stderr.endswith("kvguard: 2 guarded calls, 4 events at 2 distinct sites\n")
+    assert result.stderr.endswith("kvguard: 2 guarded calls, 4 writes at 1 site\n"
+                                  "  trainer_loss.py:10 aten.mul_.Tensor: 4 writes to rollout_data['kl'][*] in 2 calls "
+                                  "(first: rollout_data['kl'][0], call 1)\n")
 
 
 def test_every_way_of_being_off_is_named(tmp_path: Path) -> None:
@@ -73,12 +75,14 @@ def test_every_way_of_being_off_is_named(tmp_path: Path) -> None:
                                                  "KVGUARD_KEYS": "kll,kl"})
     assert result.returncode == 0 and result.stdout == "job done\n"
     assert result.stderr.splitlines() == [
-        "kvguard: 1 guarded call, 1 event at 1 distinct site",
+        "kvguard: 1 guarded call, 1 write at 1 site",
+        "  argjob.py:6 aten.mul_.Tensor: 1 write to rollout_data['kl'] in 1 call (first: rollout_data['kl'], call 1)",
         "kvguard: target fakerl.los:compute_advantages_and_returns was never imported "
         "(no module named 'fakerl')",
         "kvguard: target unusedpkg.mod:f was never imported (it exists, but this process never imported it)",
         "kvguard: target argjob:takes_namespace(args): args was never guarded in 2 calls: it held "
-        "argparse.Namespace, and kvguard guards dicts, lists, tuples and tensors",
+        "argparse.Namespace, whose contents kvguard does not walk (it walks mappings, sequences, "
+        "dataclasses, namespaces and pytree nodes)",
         "kvguard: target argjob:never_called(rollout_data) was never called",
         "kvguard: KVGUARD_KEYS names 'kll', which no guarded argument ever held (they held kl, log_probs)",
         "kvguard: KVGUARD=record kept 1 event in memory only; set KVGUARD_REPORT_DIR=DIR to write them "
@@ -92,7 +96,7 @@ def test_a_misspelled_submodule_is_named(tmp_path: Path) -> None:
     (tmp_path / "fakerl" / "loss.py").write_text("def compute(rollout_data):\n    pass\n")
     (tmp_path / "job.py").write_text("import fakerl.loss\nfakerl.loss.compute({})\n")
     result = run("job.py", cwd=tmp_path, env={"KVGUARD": "warn", "KVGUARD_TARGETS": "fakerl.los:compute(rollout_data)"})
-    assert result.stderr == ("kvguard: 0 guarded calls, 0 events at 0 distinct sites\n"
+    assert result.stderr == ("kvguard: 0 guarded calls, no in-place writes\n"
                              "kvguard: target fakerl.los:compute was never imported (no module named 'fakerl.los')\n")
 
 
@@ -107,7 +111,9 @@ def test_an_unusable_report_dir_is_one_line_at_start_and_the_job_runs_on(tmp_pat
     assert result.returncode == 0 and "train done" in result.stdout
     assert result.stderr == (f"kvguard: KVGUARD_REPORT_DIR={str(report_dir)!r} cannot be used ({reason}); "
                              "the job runs on without report files\n"
-                             "kvguard: 2 guarded calls, 4 events at 2 distinct sites\n"
+                             "kvguard: 2 guarded calls, 4 writes at 1 site\n"
+                             "  trainer_loss.py:10 aten.mul_.Tensor: 4 writes to rollout_data['kl'][*] in 2 calls "
+                             "(first: rollout_data['kl'][0], call 1)\n"
                              "kvguard: KVGUARD=record kept 4 events in memory only; set KVGUARD_REPORT_DIR=DIR "
                              "to write them to files, or use KVGUARD=warn to print them\n")
 
@@ -130,7 +136,9 @@ def test_a_report_dir_that_breaks_mid_job_never_replaces_the_mutation_error(tmp_
     lines = result.stderr.splitlines()
     assert lines[0].startswith(f"kvguard: writing report files to {str(reports)!r} failed (")
     assert lines[0].endswith("); it gets no further events")
-    assert lines[1:] == ["kvguard: 1 guarded call, 1 event at 1 distinct site"]
+    assert lines[1:] == ["kvguard: 1 guarded call, 1 write at 1 site",
+                         "  trainer_loss.py:10 aten.mul_.Tensor: 1 write blocked to rollout_data['kl'][*] in 1 call "
+                         "(first: rollout_data['kl'][0], call 1)"]
 
 
 def test_warn_under_w_error_runs_the_job_to_the_end() -> None:
@@ -164,7 +172,7 @@ def test_a_target_in_the_main_script_says_so(tmp_path: Path) -> None:
     (tmp_path / "job.py").write_text("def compute(rollout_data):\n    pass\n\ncompute({})\n")
     result = run("job.py", cwd=tmp_path, env={"KVGUARD": "warn", "KVGUARD_TARGETS": "job:compute(rollout_data)"})
     assert result.stderr == (
-        "kvguard: 0 guarded calls, 0 events at 0 distinct sites\n"
+        "kvguard: 0 guarded calls, no in-place writes\n"
         "kvguard: target job:compute was never imported (job.py ran as the main script, __main__, and "
         "kvguard guards modules as they are imported: import it from a small launcher script)\n")
 
@@ -194,7 +202,10 @@ def test_static_and_class_method_targets(tmp_path: Path) -> None:
     result = run("main.py", cwd=tmp_path, env={
         "KVGUARD": "record", "KVGUARD_REPORT_DIR": str(tmp_path / "r"),
         "KVGUARD_TARGETS": "methods:Loss.shape(rollout_data),methods:Loss.shape_cls(rollout_data)"})
-    assert result.stderr == "kvguard: 3 guarded calls, 3 events at 2 distinct sites\n"
+    assert result.stderr == (
+        "kvguard: 3 guarded calls, 3 writes at 2 sites\n"
+        "  methods.py:7 aten.mul_.Tensor: 2 writes to rollout_data['kl'] in 2 calls (first: rollout_data['kl'], call 1)\n"
+        "  methods.py:11 aten.add_.Tensor: 1 write to rollout_data['kl'] in 1 call (first: rollout_data['kl'], call 3)\n")
 
 
 def test_kvguard_exports_guard_warning() -> None:

@@ -42,7 +42,7 @@ def test_already_imported_target_and_its_aliases_are_guarded_then_restored() -> 
         assert trainer_actor.compute_advantages_and_returns is trainer_loss.compute_advantages_and_returns
         assert alias is trainer_loss.compute_advantages_and_returns, "module-level aliases are rebound"
         trainer_actor.compute_advantages_and_returns(None, trainer_loss.make_rollout())
-        print("events", STATE.events, "calls", STATE.guarded_calls)
+        print("events", STATE.tally.writes, "calls", STATE.tally.calls)
         STATE.uninstall()
         assert trainer_loss.compute_advantages_and_returns is kept[0]
         assert trainer_actor.compute_advantages_and_returns is kept[0] and alias is kept[0]
@@ -58,7 +58,7 @@ def test_keys_and_ignore_from_the_environment() -> None:
         from kvguard._state import STATE
         rd = trainer_loss.make_rollout()
         trainer_loss.compute_advantages_and_returns(None, rd)
-        print("events", STATE.events)
+        print("events", STATE.tally.writes)
     """
     target = "trainer_loss:compute_advantages_and_returns(rollout_data)"
     assert "events 2" in run_python(code, KVGUARD="record", KVGUARD_TARGETS=target).stdout
@@ -74,7 +74,7 @@ def test_startup_is_idempotent() -> None:
         from kvguard._state import STATE
         import trainer_loss
         trainer_loss.compute_advantages_and_returns(None, trainer_loss.make_rollout())
-        print("calls", STATE.guarded_calls)
+        print("calls", STATE.tally.calls)
     """, KVGUARD="record", KVGUARD_TARGETS="trainer_loss:compute_advantages_and_returns(rollout_data)")
     assert "calls 1" in result.stdout
     assert result.stderr.count("guarded call") == 1

@@ -87,7 +87,11 @@ def test_warn_guards_every_call_and_prints_summary(venv_python: Path) -> None:
     assert "kl intact: False" in result.stdout and "train done" in result.stdout
     assert "rollout_data['kl'][0] was modified in place by aten.mul_.Tensor at trainer_loss.py:10" in result.stderr
     assert "placed   trainer_loss.py:8" in result.stderr
-    assert "kvguard: 2 guarded calls, 4 events at 2 distinct sites" in result.stderr
+    assert result.stderr.count("in-place write") == 1  # one panel per site, the rest counted
+    assert result.stderr.endswith(
+        "kvguard: 2 guarded calls, 4 writes at 1 site\n"
+        "  trainer_loss.py:10 aten.mul_.Tensor: 4 writes to rollout_data['kl'][*] in 2 calls "
+        "(first: rollout_data['kl'][0], call 1)\n")
 
 
 def test_raise_stops_the_job_with_data_intact(venv_python: Path) -> None:
@@ -100,7 +104,7 @@ def test_raise_stops_the_job_with_data_intact(venv_python: Path) -> None:
 def test_method_target(venv_python: Path) -> None:
     result = run(venv_python, "train.py", "--method",
                  env={"KVGUARD": "record", "KVGUARD_TARGETS": "trainer_loss:Trainer.step(rollout_data)"})
-    assert "kvguard: 1 guarded call, 1 event at 1 distinct site" in result.stderr
+    assert "kvguard: 1 guarded call, 1 write at 1 site\n" in result.stderr
 
 
 @pytest.mark.parametrize("env, message", [
@@ -128,17 +132,19 @@ def test_report_dir_and_report_command(venv_python: Path, tmp_path: Path) -> Non
     reports = tmp_path / "reports"
     run(venv_python, "train.py",
         env={"KVGUARD": "record", "KVGUARD_TARGETS": TARGET, "KVGUARD_REPORT_DIR": str(reports)})
-    lines = (reports / "kvguard-rank0.jsonl").read_text().splitlines()
-    assert len(lines) == 4
-    record = json.loads(lines[0])
+    records = [json.loads(line) for line in (reports / "kvguard-rank0.jsonl").read_text().splitlines()]
+    assert [r["record"] for r in records] == ["header", "event", "event", "event", "event", "summary"]
+    record = records[1]
     assert record["path"] == "rollout_data['kl'][0]" and record["op"] == "aten.mul_.Tensor"
-    assert record["target"] == TARGET and record["line"] == 10 and record["code"] == "k *= 0.1"
-    assert {"rank", "world_size", "pid", "host", "time", "placed_at", "before", "after", "diff"} <= set(record)
+    assert record["target"] == TARGET and record["lineno"] == 10 and record["code"] == "k *= 0.1"
+    assert {"schema", "run", "rank", "pid", "host", "time", "call", "placed_at", "before", "after", "diff"} <= set(record)
+    assert records[-1]["writes"] == 4 and records[-1]["calls"] == 2
     table = run(venv_python, "-m", "kvguard", "report", str(reports), check_rc=1)
-    assert "rollout_data['kl'][0]" in table.stdout and "trainer_loss.py:10" in table.stdout
+    assert "rollout_data['kl'][*]" in table.stdout and "trainer_loss.py:10" in table.stdout
     clean = tmp_path / "clean"
     clean.mkdir()
-    assert "no events" in run(venv_python, "-m", "kvguard", "report", str(clean)).stdout
+    nothing = run(venv_python, "-m", "kvguard", "report", str(clean), check_rc=2)
+    assert nothing.stderr == f"kvguard: no kvguard report records in {clean}\n"
     missing = run(venv_python, "-m", "kvguard", "report", str(tmp_path / "nope"), check_rc=2)
     assert "no kvguard report file or directory" in missing.stderr
 
@@ -149,14 +155,19 @@ def test_torchrun_two_ranks_write_per_rank_files(venv_python: Path, tmp_path: Pa
                  "--master-port", str(_free_port()), "train_dist.py",
                  env={"KVGUARD": "warn", "KVGUARD_TARGETS": TARGET, "KVGUARD_REPORT_DIR": str(reports),
                       "OMP_NUM_THREADS": "1"})
+    runs = set()
     for rank in (0, 1):
         records = [json.loads(line) for line in (reports / f"kvguard-rank{rank}.jsonl").read_text().splitlines()]
-        assert len(records) == 2 and {r["rank"] for r in records} == {rank}
-        assert {r["world_size"] for r in records} == {2}
-        assert f"kvguard [rank {rank}/2]: 1 guarded call, 2 events" in result.stderr
+        assert [r["record"] for r in records] == ["header", "event", "event", "summary"]
+        assert {r["rank"] for r in records} == {rank}
+        assert records[0]["world_size"] == records[-1]["world_size"] == 2
+        runs |= {r["run"] for r in records}
+        assert f"kvguard [rank {rank}/2]: 1 guarded call, 2 writes at 1 site" in result.stderr
         assert f"in-place write  rank {rank}/2" in result.stderr
+    assert len(runs) == 1  # one launch, one run id on every rank
     table = run(venv_python, "-m", "kvguard", "report", str(reports), check_rc=1)
-    assert "rank 0" in table.stdout and "rank 1" in table.stdout
+    assert table.stdout.startswith(f"kvguard: run {runs.pop()} (2 ranks): 2 guarded calls, 4 writes at 1 site")
+    assert "0-1" in table.stdout  # the ranks column
 
 
 def _free_port() -> int:
@@ -171,4 +182,4 @@ def test_run_command_works_from_a_source_checkout(tmp_path: Path) -> None:
     result = run(Path(sys.executable), "-m", "kvguard", "run", "--action", "record", "--",
                  sys.executable, "train.py", env=env)
     assert "kl intact: False" in result.stdout
-    assert "kvguard: 2 guarded calls, 4 events at 2 distinct sites" in result.stderr
+    assert "kvguard: 2 guarded calls, 4 writes at 1 site\n" in result.stderr

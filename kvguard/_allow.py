@@ -1,0 +1,116 @@
+"""Intended writes: path patterns a guard lets through, and `kvguard.allow(reason)`. Stdlib only.
+
+Some in-place writes are meant (whitening `rollout_data['advantages']` after logging, an
+optimizer step on parameters in the dict). Saying so keeps them out of reports without
+dropping a whole key: they are counted as allowed, with the pattern or the reason, and
+they happen even under `action="raise"`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import re
+from typing import Iterable, Iterator, Optional
+
+from kvguard._errors import ConfigError
+
+_reason: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("kvguard_allow", default=None)
+_INDEX = r"\[-?\d+\]"
+_STAR = re.escape("[*]")
+_EXAMPLE = "rollout_data['advantages'][*]"
+
+
+@contextlib.contextmanager
+def allow(reason: str) -> Iterator[None]:
+    """Let every write inside the block through, counted as allowed with `reason`.
+
+    Use inside a guarded region for writes that are meant::
+
+        with kvguard.allow("whiten advantages in place, after they were logged"):
+            rollout_data["advantages"][i].sub_(mean).div_(std)
+
+    Outside any guard it does nothing. Writes inside are not reported and never raise;
+    the exit summary and report files count them under the reason.
+    """
+    if not isinstance(reason, str) or not reason.strip():
+        raise ConfigError(f"kvguard.allow() takes a reason, e.g. kvguard.allow('whitening after logging'); "
+                          f"got {reason!r}")
+    token = _reason.set(reason.strip())
+    try:
+        yield
+    finally:
+        _reason.reset(token)
+
+
+class Allowlist:
+    """Path patterns in the form reports print: `rollout_data['kl'][*]`, `[*]` for any list index.
+
+    A pattern also covers everything below it: `rollout_data['advantages']` allows
+    `rollout_data['advantages'][3]`.
+    """
+
+    def __init__(self, patterns: Iterable[str], source: str) -> None:
+        if isinstance(patterns, str):
+            patterns = (patterns,)
+        self.patterns = tuple(check_pattern(p, source) for p in patterns)
+        self._compiled = [(p, re.compile(re.escape(p).replace(_STAR, _INDEX) + r"(?=$|[\[.])"))
+                          for p in self.patterns]
+
+    def reason(self, path: str) -> Optional[str]:
+        """Why a write to `path` is allowed (`allow=PATTERN`, `kvguard.allow('...')`), or None."""
+        given = _reason.get()
+        if given is not None:
+            return f"kvguard.allow({given!r})"
+        for pattern, compiled in self._compiled:
+            if compiled.match(path):
+                return f"allow={pattern}"
+        return None
+
+
+def check_pattern(pattern: object, source: str) -> str:
+    """`pattern`, stripped, if its brackets and quotes close; else a ConfigError naming `source`."""
+    if not isinstance(pattern, str) or not pattern.strip() or not _balanced(pattern.strip()):
+        raise ConfigError(f"invalid allow pattern {pattern!r} in {source}; expected a path as reports print it, "
+                          f"e.g. {_EXAMPLE}")
+    return pattern.strip()
+
+
+def parse_patterns(value: str, source: str) -> tuple[str, ...]:
+    """Comma-separated patterns (commas inside brackets or quotes belong to the pattern)."""
+    return tuple(check_pattern(p, source) for p in _split(value) if p.strip())
+
+
+def _split(value: str) -> list[str]:
+    parts, current, depth, quote = [], "", 0, ""
+    for char in value:
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "[(":
+            depth += 1
+        elif char in "])":
+            depth -= 1
+        elif char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+            continue
+        current += char
+    return parts + [current]
+
+
+def _balanced(pattern: str) -> bool:
+    depth, quote = 0, ""
+    for char in pattern:
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+            if depth < 0:
+                return False
+    return depth == 0 and not quote

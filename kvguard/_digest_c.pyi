@@ -1,0 +1,3 @@
+from typing import Any
+
+def digest(specs: list[tuple[Any, ...]], /) -> list[int | None]: ...

@@ -1,0 +1,176 @@
+"""What guards saw, as counts: calls per target, writes per site, allowed writes. Stdlib only.
+
+A site is a code location and an op (`loss.py:775 aten.mul_.Tensor`). One line of code
+that writes a protected tensor in a loop over 256 samples and 10 calls is one finding:
+it is counted per site, with its first example kept, so a process's tally stays as small
+as its number of sites however long the job runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from kvguard._events import MutationEvent
+
+SiteKey = tuple[str, int, str]  # (filename, lineno, op)
+MAX_SITE_LINES = 20  # exit lines; report files keep every site
+_INDEX = re.compile(r"\[-?\d+\]")
+
+
+@functools.lru_cache(maxsize=4096)
+def pattern(path: str) -> str:
+    """`path` with list indices collapsed: `rollout_data['kl'][3]` -> `rollout_data['kl'][*]`.
+
+    Indices inside quoted keys (`d['a[0]']`) stay as they are.
+    """
+    out, i, quote = [], 0, ""
+    while i < len(path):
+        char = path[i]
+        match = _INDEX.match(path, i) if char == "[" and not quote else None
+        if match is not None:
+            out.append("[*]")
+            i = match.end()
+            continue
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        out.append(char)
+        i += 1
+    return "".join(out)
+
+
+def plural(count: int, noun: str, nouns: Optional[str] = None) -> str:
+    """`1 write`, `10,240 writes`, `2 processes`."""
+    return f"{count:,} {noun if count == 1 else nouns or noun + 's'}"
+
+
+class TargetStats:
+    """What the calls of one target (or one guard name) held, for summaries and exit diagnostics."""
+
+    def __init__(self) -> None:
+        self.calls = 0  # guarded calls
+        self.unguarded_calls = 0  # calls KVGUARD_CALLS left out
+        self.unguardable: dict[str, int] = {}  # calls skipped, by the argument's type
+        self.protected = 0  # tensors protected over all calls
+        self.keys_seen: set[Any] = set()  # top-level keys the argument held
+
+    def as_record(self) -> dict[str, Any]:
+        return {"calls": self.calls, "unguarded_calls": self.unguarded_calls,
+                "unguardable_calls": sum(self.unguardable.values()), "protected": self.protected}
+
+
+class SiteStats:
+    """Every write at one site: counts, the path patterns written, and the first example."""
+
+    def __init__(self, event: MutationEvent, call: int) -> None:
+        self.first = event
+        self.first_call = call
+        self.last_call = 0
+        self.calls = 0
+        self.writes = 0
+        self.blocked = 0
+        self.paths: dict[str, int] = {}
+
+    def add(self, event: MutationEvent, call: int) -> None:
+        self.writes += 1
+        self.blocked += event.blocked
+        key = pattern(event.path)
+        self.paths[key] = self.paths.get(key, 0) + 1
+        if call != self.last_call:  # calls run one after another; nested guards may count twice
+            self.calls += 1
+            self.last_call = call
+
+    def line(self) -> str:
+        """`loss.py:775 aten.mul_.Tensor: 10,240 writes to rollout_data['kl'][*] in 10 calls (first: ...)`."""
+        paths = ", ".join(sorted(self.paths, key=lambda p: -self.paths[p])[:3])
+        if len(self.paths) > 3:
+            paths += f" (+{len(self.paths) - 3})"
+        what = plural(self.writes, "write") + (" blocked" if self.blocked == self.writes else
+                                               f" ({self.blocked:,} blocked)" if self.blocked else "")
+        return (f"{self.first.site} {self.first.op}: {what} to {paths} in {plural(self.calls, 'call')} "
+                f"(first: {self.first.path}, call {self.first_call})")
+
+    def as_record(self) -> dict[str, Any]:
+        ev = self.first
+        return {"filename": ev.filename, "lineno": ev.lineno, "op": ev.op, "kind": ev.kind, "code": ev.code,
+                "function": ev.function, "paths": dict(self.paths), "writes": self.writes, "blocked": self.blocked,
+                "calls": self.calls,
+                "first": {"path": ev.path, "call": self.first_call, "placed_at": ev.placed_at, "tensor": ev.tensor,
+                          "before": ev.before, "after": ev.after, "diff": ev.diff}}
+
+
+class Tally:
+    """The counts of one process, or of the guards of one process that write to one report directory."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.targets: dict[str, TargetStats] = {}
+        self.sites: dict[SiteKey, SiteStats] = {}
+        self.allowed: dict[str, int] = {}  # by reason: `allow=PATTERN`, `kvguard.allow('...')`
+
+    def target(self, label: str) -> TargetStats:
+        return self.targets.setdefault(label, TargetStats())
+
+    def begin_call(self, label: str) -> int:
+        """Count a guarded call of `label`; returns its number in this tally."""
+        self.calls += 1
+        self.target(label).calls += 1
+        return self.calls
+
+    def add(self, event: MutationEvent, call: int) -> None:
+        key = (event.filename, event.lineno, event.op)
+        site = self.sites.get(key)
+        if site is None:
+            site = self.sites[key] = SiteStats(event, call)
+        site.add(event, call)
+
+    def allow(self, reason: str) -> None:
+        self.allowed[reason] = self.allowed.get(reason, 0) + 1
+
+    @property
+    def writes(self) -> int:
+        return sum(site.writes for site in self.sites.values())
+
+    @property
+    def unguarded_calls(self) -> int:
+        return sum(t.unguarded_calls for t in self.targets.values())
+
+    def lines(self, tag: str = "", calls: Optional[str] = None) -> list[str]:
+        """The exit summary: one line, then one indented line per site and per allow reason.
+
+        `calls` is the `KVGUARD_CALLS` setting, named when it left calls unguarded.
+        """
+        who = f"kvguard [{tag}]" if tag else "kvguard"
+        head = f"{who}: {plural(self.calls, 'guarded call')}"
+        if self.unguarded_calls:
+            head += f" ({self.unguarded_calls:,} left unguarded by KVGUARD_CALLS={calls})"
+        if self.sites:
+            head += f", {plural(self.writes, 'write')} at {plural(len(self.sites), 'site')}"
+        else:
+            head += ", no in-place writes"
+        if self.allowed:
+            head += f", {sum(self.allowed.values()):,} allowed"
+        sites = sorted(self.sites.values(), key=lambda s: -s.writes)
+        lines = [head] + [f"  {site.line()}" for site in sites[:MAX_SITE_LINES]]
+        if len(sites) > MAX_SITE_LINES:
+            lines.append(f"  … and {plural(len(sites) - MAX_SITE_LINES, 'more site')} (see the report files)")
+        lines += [f"  allowed: {plural(count, 'write')} by {reason}" for reason, count in self.allowed.items()]
+        return lines
+
+    def as_record(self) -> dict[str, Any]:
+        """The counts as plain JSON values, for a summary record."""
+        return {"calls": self.calls, "unguarded_calls": self.unguarded_calls,
+                "protected": sum(t.protected for t in self.targets.values()),
+                "targets": {label: t.as_record() for label, t in self.targets.items()},
+                "writes": self.writes, "blocked": sum(s.blocked for s in self.sites.values()),
+                "sites": [s.as_record() for s in self.sites.values()], "allowed": dict(self.allowed)}
+
+
+def short_site(filename: str, lineno: Any) -> str:
+    """`loss.py:775` from a record's `filename` and `lineno`."""
+    return f"{os.path.basename(str(filename))}:{lineno}"
