@@ -74,16 +74,28 @@ class Settings:
     ignore: tuple[str, ...] = ()
     allow: tuple[str, ...] = ()
     calls: Calls = Calls()
+    level: str = "full"
 
     def as_record(self) -> dict[str, object]:
         """The settings as plain JSON values, for report headers."""
         return {"action": self.action, "targets": [str(t) for t in self.targets], "report_dir": self.report_dir,
                 "keys": list(self.keys) if self.keys is not None else None, "ignore": list(self.ignore),
-                "allow": list(self.allow), "calls": str(self.calls)}
+                "allow": list(self.allow), "calls": str(self.calls), "level": self.level}
 
     @property
     def active(self) -> bool:
         return self.action != OFF
+
+
+LEVELS = ("full", "light")
+
+
+def parse_level(value: object, source: str) -> str:
+    """`full` (every op, and the boundaries) or `light` (the boundaries only), in any case."""
+    spelled = value.strip().lower() if isinstance(value, str) else value
+    if spelled not in LEVELS:
+        raise ConfigError(f"invalid level {value!r} from {source}; expected full or light (any case)")
+    return str(spelled)
 
 
 def parse_action(value: str, source: str) -> str:
@@ -164,4 +176,5 @@ def from_env(environ: Mapping[str, str]) -> Settings:
     return Settings(action, targets, report_dir, _keys(environ.get("KVGUARD_KEYS")),
                     _keys(environ.get("KVGUARD_IGNORE")) or (),
                     parse_patterns(environ.get("KVGUARD_ALLOW", ""), env_source("KVGUARD_ALLOW")),
-                    parse_calls(environ.get("KVGUARD_CALLS", "")))
+                    parse_calls(environ.get("KVGUARD_CALLS", "")),
+                    parse_level(environ.get("KVGUARD_LEVEL", "").strip() or "full", env_source("KVGUARD_LEVEL")))

@@ -14,7 +14,7 @@ from typing import Any, Callable, Collection, Literal, Optional, TypeVar
 
 from kvguard import _frames, _ranks, _render, _reportfile
 from kvguard._allow import Allowlist
-from kvguard._config import DEFAULT_MAX_EVENTS
+from kvguard._config import DEFAULT_MAX_EVENTS, parse_level
 from kvguard._errors import ConfigError, GuardWarning, MutationError, MutationWarning
 from kvguard._events import GuardReport, MutationEvent
 from kvguard._state import STATE
@@ -61,34 +61,28 @@ class Guard:
         # user's code, kept for integrations (the pytest plugin fails the test with them).
         self.unraised_warnings: list[Warning] = []
         self.keys_seen: frozenset[Any] = frozenset()  # top-level keys the object held (set at exit)
-        # Counted in the process's tally (the exit summary) and in the report directory's.
-        writer = _reportfile.open_writer(report_dir)
-        self.report_dir = writer.directory if writer is not None else None
-        self._tallies = [STATE.tally] + ([writer.tally] if writer is not None else [])
+        self._report_dir_option = report_dir
+        self.report_dir: Optional[str] = None  # where this guard's report files go, once entered
+        self._tallies: list[Any] = []
         self._label = target or self.name
-        self.call = STATE.tally.begin_call(self._label)  # this guard's number in the process
-        for tally in self._tallies[1:]:
-            tally.begin_call(self._label)
+        self.call = 0  # this guard's number in the process, once entered
         # Events kept in `report`: all under record with no KVGUARD_MAX_EVENTS, else the cap.
         cap = STATE.output()[1]
         self._keep = None if cap is None and self.action == "record" else DEFAULT_MAX_EVENTS if cap is None else cap
         self.protected_count = 0  # tensors protected over the guard's life (set at exit)
 
-    @property
-    def protected_count(self) -> int:
-        """Tensors protected over the guard's life; set at exit, and counted in the tallies then."""
-        return self._protected_count
-
-    @protected_count.setter
-    def protected_count(self, count: int) -> None:
-        self._protected_count = count
-        for tally in self._tallies:
-            tally.target(self._label).protected += count
-
     def __enter__(self) -> Guard:
         if self._entered:
             raise RuntimeError("a kvguard.guard(...) can be entered once; create a new one")
         self._entered = True
+        # Counted in the process's tally (the exit summary) and in the report directory's:
+        # a guard made but never entered (the pytest plugin's "off") counts nowhere.
+        writer = _reportfile.open_writer(self._report_dir_option)
+        self.report_dir = writer.directory if writer is not None else None
+        self._tallies = [STATE.tally] + ([writer.tally] if writer is not None else [])
+        self.call = STATE.tally.begin_call(self._label)
+        for tally in self._tallies[1:]:
+            tally.begin_call(self._label)
         from kvguard._mode import MutationGuardMode
         from kvguard._protect import ProtectedSet
 
@@ -117,6 +111,8 @@ class Guard:
             unobserved = self._exit_check()
             self.keys_seen = frozenset(self._protected.keys_seen)
             self.protected_count = self._protected.protected_count
+            for tally in self._tallies:
+                tally.target(self._label).protected += self.protected_count
             self._protected.close()
             self._protected = self._mode = None
             self.obj = None
@@ -415,15 +411,9 @@ def _digest_text(digest: Any) -> str:
         return "unknown"
 
 
-LEVELS = ("full", "light")
-
-
 def _check_level(level: Any) -> str:
     """`full`: watch every op and check at the boundaries; `light`: boundaries only."""
-    spelled = level.strip().lower() if isinstance(level, str) else level
-    if spelled not in LEVELS:
-        raise ConfigError(f"invalid level {level!r}; expected full or light (any case)")
-    return str(spelled)
+    return parse_level(level, "kvguard.guard(level=...)")
 
 
 def _fingerprint_default() -> bool:

@@ -28,10 +28,11 @@ _MISSING = object()  # the argument was not passed (left at its default)
 
 
 def install(targets: Iterable[Target], action: str, keys: Optional[tuple[str, ...]] = None,
-            ignore: tuple[str, ...] = (), allow: tuple[str, ...] = (), calls: Calls = Calls()) -> None:
+            ignore: tuple[str, ...] = (), allow: tuple[str, ...] = (), calls: Calls = Calls(),
+            level: str = "full") -> None:
     """Guard each target's argument on the selected calls, from the moment its module loads."""
     for target in targets:
-        wrapt.register_post_import_hook(_hook(target, action, keys, ignore, allow, calls), target.module)
+        wrapt.register_post_import_hook(_hook(target, action, keys, ignore, allow, calls, level), target.module)
 
 
 def _hook(target: Target, *options: Any) -> Callable[[Any], None]:
@@ -44,7 +45,7 @@ def _hook(target: Target, *options: Any) -> Callable[[Any], None]:
 
 
 def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: Any = (),
-          allow: tuple[str, ...] = (), calls: Calls = Calls()) -> None:
+          allow: tuple[str, ...] = (), calls: Calls = Calls(), level: str = "full") -> None:
     """Wrap `module.<qualname>` so the selected calls guard `argname`; rebind stale aliases.
 
     The wrapper is a plain function (a `staticmethod`/`classmethod` stays one), not a
@@ -89,7 +90,8 @@ def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: An
             for stats in _tallies(label):
                 stats.unguarded_calls += 1
             return inner(*args, **kwargs)
-        g = Guard(value, name=target.argname, action=action, keys=keys, ignore=ignore, allow=allow, target=label)
+        g = Guard(value, name=target.argname, action=action, keys=keys, ignore=ignore, allow=allow, target=label,
+                  level=level)
         try:
             with g:
                 return inner(*args, **kwargs)

@@ -73,7 +73,7 @@ def _start() -> None:
         # Checked now; the header waits for a target, so torchrun's agent writes none.
         writer_for(settings.report_dir, "KVGUARD_REPORT_DIR", STATE.output()[1])
     _importhook.install(settings.targets, settings.action, settings.keys, settings.ignore, settings.allow,
-                        settings.calls)
+                        settings.calls, settings.level)
     atexit.register(_print_summary)
 
 

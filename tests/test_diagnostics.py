@@ -210,3 +210,17 @@ def test_static_and_class_method_targets(tmp_path: Path) -> None:
 
 def test_kvguard_exports_guard_warning() -> None:
     assert issubclass(kvguard.GuardWarning, UserWarning) and kvguard.GuardWarning.__module__ == "kvguard"
+
+
+def test_light_level_from_the_environment(tmp_path: Path) -> None:
+    """Light level checks at the boundaries: the tensor there at the call's start is caught at its exit
+    (the KL tensors the loss places and then writes are placed inside the call: only the full level sees them)."""
+    result = run("train.py", "--method", env={
+        "KVGUARD": "record", "KVGUARD_TARGETS": "trainer_loss:Trainer.step(rollout_data)", "KVGUARD_LEVEL": "light",
+        "KVGUARD_REPORT_DIR": str(tmp_path)})
+    assert "train done" in result.stdout
+    records = [line for f in tmp_path.glob("*.jsonl") for line in f.read_text().splitlines()]
+    assert any('"kind": "unobserved"' in r and "rollout_data['log_probs'][0]" in r for r in records), records
+    bad = run("train.py", env={"KVGUARD": "warn", "KVGUARD_TARGETS": TARGET, "KVGUARD_LEVEL": "featherweight"})
+    assert ("invalid level 'featherweight' from the KVGUARD_LEVEL environment variable; expected full or light"
+            in bad.stderr) and "train done" in bad.stdout
