@@ -19,7 +19,7 @@ from kvguard._guard import Guard as Guard
 from kvguard._guard import guard as guard
 from kvguard._guard import guarded as guarded
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["ConfigError", "Guard", "GuardReport", "GuardWarning", "MutationError", "MutationEvent",
            "MutationWarning", "allow", "guard", "guarded"]
 

@@ -52,6 +52,8 @@ def digests(tensors: Sequence[Optional[torch.Tensor]]) -> list[Digest]:
                 batch.append(i)
                 continue
             parts = _parts(tensor) if tensor is not None else None
+            if parts is not None and any(p.is_cuda for p in parts) and torch.cuda.is_current_stream_capturing():
+                parts = None  # ops now would be recorded into the user's CUDA graph
             if parts is not None:
                 out[i] = tuple(_one(p) for p in parts) if len(parts) > 1 else _one(parts[0])
         except Exception:  # noqa: BLE001 - no digest, never an error in the user's code
@@ -63,16 +65,36 @@ def digests(tensors: Sequence[Optional[torch.Tensor]]) -> list[Digest]:
     return out
 
 
+def same_all(was: Sequence[Digest], now: Sequence[Digest]) -> list[bool]:
+    """Whether each pair of digests agrees (None: not comparable, counted as agreeing).
+
+    Digests on a device are compared there and read back in one transfer per device:
+    the only host synchronisation fingerprints cause.
+    """
+    out = [True] * len(was)
+    on_device: dict[Any, list[tuple[int, torch.Tensor]]] = {}
+    for i, (a, b) in enumerate(zip(was, now)):
+        if a is None or b is None:
+            continue
+        if isinstance(a, tuple) or isinstance(b, tuple):
+            out[i] = (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b)
+                      and all(same_all(a, b)))
+        elif isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device == b.device:
+            on_device.setdefault(a.device, []).append((i, a != b))
+        elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            out[i] = False  # the tensor moved between a device and the host
+        else:
+            out[i] = a == b
+    for pairs in on_device.values():
+        differs = torch.stack([d for _, d in pairs]).tolist()
+        for (i, _), changed in zip(pairs, differs):
+            out[i] = not changed
+    return out
+
+
 def same(a: Digest, b: Digest) -> bool:
-    """Whether two digests of one tensor agree (None: not comparable, counted as agreeing)."""
-    if a is None or b is None:
-        return True
-    if isinstance(a, tuple) or isinstance(b, tuple):
-        return (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b)
-                and all(same(x, y) for x, y in zip(a, b)))
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return bool(torch.as_tensor(a) == torch.as_tensor(b).to(torch.as_tensor(a).device))
-    return bool(a == b)
+    """Whether two digests of one tensor agree."""
+    return same_all([a], [b])[0]
 
 
 def _parts(t: torch.Tensor) -> Optional[list[torch.Tensor]]:

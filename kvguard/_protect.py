@@ -193,10 +193,11 @@ class ProtectedSet:
         self._take_digests()
         live = [(e, t) for e in list(self._entries.values()) if (t := e.ref()) is not None]
         now = _digest.digests([t for _, t in live]) if self._fingerprint else [None] * len(live)
+        agrees = _digest.same_all([e.digest for e, _ in live], now)
         found = []
-        for (entry, tensor), digest in zip(live, now):
+        for (entry, tensor), digest, same in zip(live, now, agrees):
             layout = _torch.storage_fingerprint(tensor)
-            if not entry.explained and not _digest.same(entry.digest, digest):
+            if not entry.explained and not same:
                 found.append(Change(entry, tensor, "values", entry.digest, digest))
             elif layout != entry.fingerprint and (entry.digest is None or digest is None):
                 found.append(Change(entry, tensor, "memory", entry.fingerprint, layout))

@@ -1,0 +1,29 @@
+"""`benchmarks/gpu_check.py` runs its CPU-applicable checks (a smoke run: the GPU run is by hand)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_check_smoke_run_on_cpu() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD")}
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu",
+                             "--rounds", "1"], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "FAILED" not in result.stdout
+    assert "ok     record: the bug is reported on cpu" in result.stdout
+
+
+def test_gpu_check_says_it_needs_a_gpu() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 2 and "no CUDA device" in result.stdout
