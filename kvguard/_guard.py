@@ -70,6 +70,10 @@ class Guard:
         cap = STATE.output()[1]
         self._keep = None if cap is None and self.action == "record" else DEFAULT_MAX_EVENTS if cap is None else cap
         self.protected_count = 0  # tensors protected over the guard's life (set at exit)
+        # Set at exit when the guarded code did nothing here and an integration says it does
+        # not run in this process (`_ranks.register_not_run_check`): the call is then counted
+        # as "not run here", not as a clean guarded call.
+        self.not_run: Optional[str] = None
 
     def __enter__(self) -> Guard:
         if self._entered:
@@ -111,8 +115,12 @@ class Guard:
             unobserved = self._exit_check()
             self.keys_seen = frozenset(self._protected.keys_seen)
             self.protected_count = self._protected.protected_count
+            self.not_run = self._not_run_reason(exc_type, unobserved)
             for tally in self._tallies:
-                tally.target(self._label).protected += self.protected_count
+                if self.not_run is None:
+                    tally.target(self._label).protected += self.protected_count
+                else:
+                    tally.not_run_call(self._label, self.not_run)
             self._protected.close()
             self._protected = self._mode = None
             self.obj = None
@@ -120,7 +128,7 @@ class Guard:
             self._on_event(event, at_exit=True)
         if isinstance(exc, MutationError) and exc.args[2] is self.report:
             _frames.drop_internal_frames(exc)
-        if exc_type is None and self.target is None:
+        if exc_type is None and self.target is None and self.not_run is None:
             self._warn_if_blind()
         if exc_type is not None or self.action != "raise":
             return False  # an exception already leaving the block is never masked
@@ -135,6 +143,22 @@ class Guard:
             # Too late to stop the change, but a raise guard must not end quietly.
             raise MutationError(_render.format_event(unobserved[0]), unobserved[0], self.report)
         return False
+
+    def _not_run_reason(self, exc_type: Any, unobserved: list[MutationEvent]) -> Optional[str]:
+        """Why this call did not run in this process, or None when it ran (or may have).
+
+        Asked of the integrations only for a call that left no trace: no exception, no
+        finding, nothing allowed, and (level "full") no op dispatched under the guard.
+        Under level "light", where no op is seen, the integration's word decides.
+        """
+        if exc_type is not None or unobserved or self.report.events or self.report.cut or self._raised:
+            return None
+        if self.report.allowed or (self._mode is not None and self._mode.ops):
+            return None
+        try:
+            return _ranks.not_run_reason()
+        except Exception:  # noqa: BLE001 - never fail a guard's exit over a count
+            return None
 
     def _warn_if_blind(self) -> None:
         """A `GuardWarning` when the guard may have looked at nothing."""
@@ -189,7 +213,9 @@ class Guard:
                 before = f"digest {_digest_text(change.was)}"
                 after = f"{_diff.values(tensor)} (digest {_digest_text(change.now)})"
                 diff = ("values changed with no dispatched write: a numpy view, a raw pointer, another "
-                        "thread or a compiled kernel?")
+                        "thread or a compiled kernel?") if self.level == "full" else (
+                        "values changed during the guard (level='light' watches no op, so the writing line "
+                        "is not known: level='full' names it)")
             else:
                 before, after = _fingerprint_text(change.was), _fingerprint_text(change.now)
                 diff = "identity or memory changed with no dispatched op (k.data = ..., or code the guard cannot see)"

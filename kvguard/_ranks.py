@@ -3,7 +3,8 @@
 Reads `torch.distributed` only if it is already imported and initialised, else the
 `RANK` / `LOCAL_RANK` / `WORLD_SIZE` variables torchrun sets. Integrations add finer
 tags (Megatron's tp/pp/dp/cp) through the `kvguard.rank_tags` entry-point group or
-`register_tagger`; their failures never break a report.
+`register_tagger`; their failures never break a report. They may also say that guarded
+code does not run in this process (`register_not_run_check`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,40 @@ def register_tagger(tagger: Tagger) -> Callable[[], None]:
     """Add a function returning extra tags (`{"tp": 1, "pp": 0}`); returns its undo."""
     _taggers.append(tagger)
     return lambda: _taggers.remove(tagger) if tagger in _taggers else None
+
+
+NotRunCheck = Callable[[], Optional[str]]
+_not_run_checks: list[NotRunCheck] = []
+
+
+def register_not_run_check(check: NotRunCheck) -> Callable[[], None]:
+    """Add a function saying why guarded code does not run in this process, or None; returns its undo.
+
+    The hook for integrations that know where code runs (Megatron: only the last
+    pipeline stage computes advantages). A guarded call that did nothing here (no op
+    dispatched under its guard, no finding) is then counted as "not run here", with the
+    check's reason, instead of as a clean guarded call. Integrations loaded through the
+    `kvguard.rank_tags` entry-point group register theirs when imported.
+    """
+    if check not in _not_run_checks:
+        _not_run_checks.append(check)
+    return lambda: _not_run_checks.remove(check) if check in _not_run_checks else None
+
+
+def not_run_reason() -> Optional[str]:
+    """Why guarded code does not run in this process (`not the last pipeline stage, ...`), or None.
+
+    Loads the integrations first; a check that fails counts as "no reason", never as an error.
+    """
+    _load_entry_points()
+    for check in list(_not_run_checks):
+        try:
+            reason = check()
+        except Exception:  # noqa: BLE001 - a guess about where code runs must never fail a guard
+            continue
+        if reason:
+            return str(reason)
+    return None
 
 
 def _load_entry_points() -> None:

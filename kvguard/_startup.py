@@ -91,12 +91,16 @@ def _print_summary() -> None:
 
 def diagnostics(state: "State") -> list[str]:
     """One `kvguard: ...` line for each way the settings guarded less than they say."""
+    from kvguard._presets import diagnostics as preset_lines, is_preset
+
     settings = state.settings
-    lines = []
+    lines = preset_lines(settings.targets, state)  # a preset's missing and uncalled functions, per preset
     targets = state.tally.targets
     for target in settings.targets:
         stats = targets.get(str(target))
         if str(target) not in state.patched:
+            if is_preset(target):
+                continue  # said per preset above: missing in this version, or not imported here
             if target.module not in sys.modules:
                 lines.append(f"kvguard: target {target.module}:{target.qualname} was never imported "
                              f"({_why_not_imported(target.module)})")
@@ -106,8 +110,15 @@ def diagnostics(state: "State") -> list[str]:
         if stats.calls == 0 and stats.unguarded_calls and not skipped:
             lines.append(f"kvguard: target {target}: KVGUARD_CALLS={settings.calls} selected none of its "
                          f"{stats.unguarded_calls} call{'s' if stats.unguarded_calls != 1 else ''}")
+        elif stats.calls == 0 and stats.not_run and not skipped:
+            from kvguard._tally import not_run_reasons, plural
+
+            lines.append(f"kvguard: target {target} did not run here: "
+                         f"{plural(sum(stats.not_run.values()), 'call')} ({not_run_reasons(stats.not_run)}), "
+                         "counted as not run, not as clean")
         elif stats.calls == 0 and not skipped:
-            lines.append(f"kvguard: target {target} was never called")
+            if not is_preset(target):  # a preset's: said per preset above, when none of them was called
+                lines.append(f"kvguard: target {target} was never called")
         elif stats.calls == 0:
             kinds = ", ".join(sorted(stats.unguardable))
             lines.append(f"kvguard: target {target}: {target.argname} was never guarded in {skipped} "

@@ -58,10 +58,12 @@ class TargetStats:
         self.unguardable: dict[str, int] = {}  # calls skipped, by the argument's type
         self.protected = 0  # tensors protected over all calls
         self.keys_seen: set[Any] = set()  # top-level keys the argument held
+        self.not_run: dict[str, int] = {}  # calls that did not run in this process, by reason
 
     def as_record(self) -> dict[str, Any]:
         return {"calls": self.calls, "unguarded_calls": self.unguarded_calls,
-                "unguardable_calls": sum(self.unguardable.values()), "protected": self.protected}
+                "unguardable_calls": sum(self.unguardable.values()), "protected": self.protected,
+                "not_run_calls": sum(self.not_run.values())}
 
 
 class SiteStats:
@@ -122,6 +124,27 @@ class Tally:
         self.target(label).calls += 1
         return self.calls
 
+    def not_run_call(self, label: str, reason: str) -> None:
+        """Move a call counted by `begin_call` to "not run here": neither guarded nor clean.
+
+        For a guarded call that did nothing in this process where an integration says the
+        code does not run here (`_ranks.register_not_run_check`), e.g. a pipeline stage
+        that is not the last.
+        """
+        self.calls -= 1
+        stats = self.target(label)
+        stats.calls -= 1
+        stats.not_run[reason] = stats.not_run.get(reason, 0) + 1
+
+    @property
+    def not_run(self) -> dict[str, int]:
+        """Calls that did not run in this process, by reason, over every target."""
+        total: dict[str, int] = {}
+        for stats in self.targets.values():
+            for reason, count in stats.not_run.items():
+                total[reason] = total.get(reason, 0) + count
+        return total
+
     def add(self, event: MutationEvent, call: int) -> None:
         key = (event.filename, event.lineno, event.op)
         site = self.sites.get(key)
@@ -149,6 +172,9 @@ class Tally:
         head = f"{who}: {plural(self.calls, 'guarded call')}"
         if self.unguarded_calls:
             head += f" ({self.unguarded_calls:,} left unguarded by KVGUARD_CALLS={calls})"
+        not_run = self.not_run
+        if not_run:
+            head += f", {plural(sum(not_run.values()), 'call')} not run here ({not_run_reasons(not_run)})"
         if self.sites:
             head += f", {plural(self.writes, 'write')} at {plural(len(self.sites), 'site')}"
         else:
@@ -168,7 +194,15 @@ class Tally:
                 "protected": sum(t.protected for t in self.targets.values()),
                 "targets": {label: t.as_record() for label, t in self.targets.items()},
                 "writes": self.writes, "blocked": sum(s.blocked for s in self.sites.values()),
-                "sites": [s.as_record() for s in self.sites.values()], "allowed": dict(self.allowed)}
+                "sites": [s.as_record() for s in self.sites.values()], "allowed": dict(self.allowed),
+                "not_run": self.not_run}
+
+
+def not_run_reasons(not_run: dict[str, int]) -> str:
+    """`not the last pipeline stage: pp=0 of 2`, with counts when there are several reasons."""
+    if len(not_run) == 1:
+        return next(iter(not_run))
+    return "; ".join(f"{count:,}: {reason}" for reason, count in not_run.items())
 
 
 def short_site(filename: str, lineno: Any) -> str:
