@@ -6,6 +6,7 @@ pure: it reads schemas and tensor metadata, never tensor values.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -17,9 +18,51 @@ import torch
 _C10D_WRITTEN_NAMES = frozenset(
     {"tensors", "output_tensor", "output_tensors", "outputs", "output", "output_lists"}
 )
+# Ops that write arguments their schema does not mark as written (no `!` annotation), keyed
+# by the schema's full name with its overload: which parameters they write, and the bool
+# parameter that must be true for the write to happen (None: every call writes). The CPU
+# rows are what `tools/sweep_undeclared_writes.py` finds over torch's OpInfo and ModuleInfo
+# samples (tests/test_undeclared_writes.py pins it); the others are CUDA/ROCm/MPS kernels
+# that the sweep cannot run on CPU, taken from their source.
+_RUNNING_STATS = ("running_mean", "running_var")
+_UNDECLARED_WRITES: dict[str, tuple[tuple[str, ...], Optional[str]]] = {
+    # Found by the sweep on CPU.
+    "aten::native_batch_norm": (_RUNNING_STATS, "training"),
+    "aten::native_batch_norm.out": (_RUNNING_STATS, "training"),
+    "aten::batch_norm_update_stats": (_RUNNING_STATS, None),
+    "aten::batch_norm_update_stats.out": (_RUNNING_STATS, None),
+    # LSTM/GRU backward on CPU (oneDNN) scribbles over the forward's workspace.
+    "aten::mkldnn_rnn_layer_backward": (("workspace",), None),
+    "aten::mkldnn_rnn_layer_backward.out": (("workspace",), None),
+    # cuDNN and MIOpen batch norm (training updates the running statistics in place).
+    "aten::cudnn_batch_norm": (_RUNNING_STATS, "training"),
+    "aten::cudnn_batch_norm.out": (_RUNNING_STATS, "training"),
+    "aten::miopen_batch_norm": (_RUNNING_STATS, "training"),
+    "aten::miopen_batch_norm.out": (_RUNNING_STATS, "training"),
+    # SyncBatchNorm's CUDA reduction across ranks updates them whenever they are given.
+    "aten::batch_norm_gather_stats": (_RUNNING_STATS, None),
+    "aten::batch_norm_gather_stats.out": (_RUNNING_STATS, None),
+    "aten::batch_norm_gather_stats_with_counts": (_RUNNING_STATS, None),
+    "aten::batch_norm_gather_stats_with_counts.out": (_RUNNING_STATS, None),
+    # Backend copies (MPS, lazy, XLA) into `dst`; `copy_` reaches them below the mode,
+    # so they are seen only when called directly.
+    "aten::_copy_from": (("dst",), None),
+    "aten::_copy_from.out": (("dst",), None),
+    "aten::_copy_from_and_resize": (("dst",), None),
+    "aten::_copy_from_and_resize.out": (("dst",), None),
+}
 # inplace_view ops that make a tensor refer to other memory, rather than only changing
 # its shape or strides.
 _REPOINTING_OPS = frozenset({"set_", "resize_", "resize_as_", "resize_as_sparse_"})
+
+
+class WriteCondition(NamedTuple):
+    """A bool parameter that must be true for an undeclared write to happen (`training`)."""
+
+    position: int
+    name: str
+    kwarg_only: bool
+    default: bool  # when the call leaves it out
 
 
 class WrittenArg(NamedTuple):
@@ -28,6 +71,7 @@ class WrittenArg(NamedTuple):
     position: int
     name: str
     kwarg_only: bool
+    when: Optional[WriteCondition] = None  # written only on calls where this is true
 
 
 class OpFacts(NamedTuple):
@@ -68,6 +112,10 @@ def _learn(func: Any) -> OpFacts:
                 for i, a in enumerate(schema.arguments)
                 if a.name in _C10D_WRITTEN_NAMES
             )
+    undeclared = _UNDECLARED_WRITES.get(
+        f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name)
+    if undeclared is not None:
+        written = _add_undeclared(schema, written, *undeclared)
     if not written:
         return NO_WRITES
     base_name = schema.name.split("::")[-1]
@@ -89,11 +137,34 @@ def written_tensors(facts: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any
         return [first] if isinstance(first, torch.Tensor) else []
     found: list[torch.Tensor] = []
     for arg in facts.written:
+        if arg.when is not None and not _holds(arg.when, args, kwargs):
+            continue
         if not arg.kwarg_only and arg.position < len(args):
             _collect(args[arg.position], found)
         else:
             _collect(kwargs.get(arg.name), found)
     return found
+
+
+def _add_undeclared(schema: Any, written: tuple[WrittenArg, ...], names: tuple[str, ...],
+                    when: Optional[str]) -> tuple[WrittenArg, ...]:
+    """`written` plus the parameters `names` (see `_UNDECLARED_WRITES`), in schema order."""
+    condition = None
+    for i, a in enumerate(schema.arguments):
+        if a.name == when:
+            default = a.default_value
+            condition = WriteCondition(i, a.name, a.kwarg_only, True if default is None else bool(default))
+    # A torch that renamed the condition leaves `condition` None: every call counts as writing.
+    known = {w.name for w in written}
+    extra = tuple(WrittenArg(i, a.name, a.kwarg_only, condition)
+                  for i, a in enumerate(schema.arguments) if a.name in names and a.name not in known)
+    return tuple(sorted(written + extra, key=lambda w: w.position))
+
+
+def _holds(condition: WriteCondition, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    if not condition.kwarg_only and condition.position < len(args):
+        return bool(args[condition.position])
+    return bool(kwargs.get(condition.name, condition.default))
 
 
 def _collect(value: Any, found: list[torch.Tensor]) -> None:
@@ -351,32 +422,73 @@ def run_starts(r: Runs, lo: int, hi: int) -> torch.Tensor:
 MAX_WRITTEN_RUNS = 64
 
 
-def flat_ranges(t: torch.Tensor, written: Sequence[torch.Tensor]) -> Optional[list[tuple[int, int]]]:
-    """The elements of `t` a write to `written` can change, as sorted index ranges `[i, j)`.
+class WriteWindows(NamedTuple):
+    """The byte windows an op's write can change, sorted, for lookups per protected tensor."""
+
+    starts: list[int]  # window starts, ascending
+    windows: list[tuple[int, int, Any]]  # (start, stop, device)
+    reach: list[int]  # reach[k]: the largest stop among windows[:k + 1]
+
+
+def write_windows(written: Sequence[torch.Tensor]) -> WriteWindows:
+    """Byte windows covering what writing `written` can change: each written tensor's own
+    runs when it has at most MAX_WRITTEN_RUNS of them, else its span. Raises nothing."""
+    found: list[tuple[int, int, Any]] = []
+    for w in written:
+        try:
+            found += _windows_of(w)
+        except Exception:  # noqa: BLE001 - a guard must never crash on an unusual tensor
+            continue
+    found.sort(key=lambda window: window[0])
+    reach, furthest = [], 0
+    for _, stop, _ in found:
+        furthest = max(furthest, stop)
+        reach.append(furthest)
+    return WriteWindows([window[0] for window in found], found, reach)
+
+
+def _windows_of(w: torch.Tensor) -> list[tuple[int, int, Any]]:
+    found = spans(w)
+    if len(found) != 1 or w.layout != _STRIDED or w.is_nested:
+        return [(s.start, s.stop, s.device) for s in found]
+    r = runs(w)
+    if math.prod(n for n, _ in r.dims) > MAX_WRITTEN_RUNS:
+        return [(found[0].start, found[0].stop, found[0].device)]
+    starts = [r.start + sum(i * s for i, (_, s) in zip(idx, r.dims))
+              for idx in itertools.product(*(range(n) for n, _ in r.dims))]
+    return [(s, s + r.length, found[0].device) for s in starts]
+
+
+def flat_ranges(t: torch.Tensor, windows: WriteWindows) -> Optional[list[tuple[int, int]]]:
+    """The elements of `t` a write can change, as sorted index ranges `[i, j)`.
 
     Indices count `t`'s elements in memory order: row-major over `t.permute(memory_order(t))`,
     which is `t` itself unless it is transposed or permuted. None means "every element":
-    `t` has no readable memory, is not a plain strided tensor, or no order of its dims
-    follows memory. Raises nothing.
+    `t` has no readable memory, is not a plain strided tensor, no order of its dims follows
+    memory, or no window of the write meets it. O(rank · log numel) per window that meets
+    `t`. Raises nothing.
     """
     try:
-        if t.layout != _STRIDED or t.is_nested or t.is_quantized or t.numel() == 0 or not spans(t):
+        if t.layout != _STRIDED or t.is_nested or t.is_quantized:
             return None
-        order = memory_order(t)
-        if order is None:
+        found_spans, order = spans(t), memory_order(t)
+        if len(found_spans) != 1 or order is None:
             return None
-        windows: list[tuple[int, int]] = []
-        for w in written:
-            windows += _write_windows(w, t.device)
-        if not windows:
-            return None
+        span = found_spans[0]
         size = t.element_size()
         shape = [t.shape[d] for d in order]
         strides = [t.stride(d) * size for d in order]
-        found = sorted(r for lo, hi in windows
-                       if (r := _index_range(t.data_ptr(), size, shape, strides, lo, hi))[0] < r[1])
+        found: list[tuple[int, int]] = []
+        k = bisect.bisect_left(windows.starts, span.stop) - 1  # windows starting before t ends
+        while k >= 0 and windows.reach[k] > span.start:
+            lo, hi, device = windows.windows[k]
+            if hi > span.start and device == span.device:
+                i, j = _index_range(span.start, size, shape, strides, lo, hi)
+                if i < j:
+                    found.append((i, j))
+            k -= 1
         merged: list[tuple[int, int]] = []
-        for i, j in found:
+        for i, j in sorted(found):
             if merged and i <= merged[-1][1]:
                 merged[-1] = (merged[-1][0], max(merged[-1][1], j))
             else:
@@ -409,19 +521,6 @@ def _ascending(shape: Sequence[int], stride: Sequence[int], order: Sequence[int]
                 return False
             reach += (shape[d] - 1) * stride[d]
     return True
-
-
-def _write_windows(w: torch.Tensor, device: Any) -> list[tuple[int, int]]:
-    """Byte windows `[lo, hi)` covering what writing `w` can change on `device`."""
-    found = [s for s in spans(w) if s.device == device]
-    if len(found) != 1 or w.layout != _STRIDED or w.is_nested:
-        return [(s.start, s.stop) for s in found]
-    r = runs(w)
-    if math.prod(n for n, _ in r.dims) > MAX_WRITTEN_RUNS:
-        return [(found[0].start, found[0].stop)]
-    starts = [r.start + sum(i * s for i, (_, s) in zip(idx, r.dims))
-              for idx in itertools.product(*(range(n) for n, _ in r.dims))]
-    return [(s, s + r.length) for s in starts]
 
 
 def _index_range(ptr: int, size: int, shape: Sequence[int], strides: Sequence[int],
