@@ -3,6 +3,8 @@
     python -m kvguard run [--action warn] [--targets T] [--report-dir D] -- CMD ...
     python -m kvguard report DIR_OR_FILE [--by site|event] [--run ID] [--rank R] [--json]
         exit status 0: every run clean; 1: events; 2: no run found (or only malformed input)
+    python -m kvguard presets [NAME ...]
+        the presets KVGUARD_TARGETS accepts (slime, verl, ...): what each guards, its source and why
     python -m kvguard install-pth | uninstall-pth
 """
 
@@ -40,6 +42,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     report.add_argument("--json", action="store_true", help="print the runs as JSON")
     report.add_argument("--width", type=int, default=None)
 
+    presets = sub.add_parser("presets", help="list the presets KVGUARD_TARGETS accepts and what each guards")
+    presets.add_argument("names", nargs="*", metavar="NAME", help="only these presets")
+
     sub.add_parser("install-pth", help="activate on KVGUARD in this environment (for editable installs)")
     sub.add_parser("uninstall-pth", help="remove the file install-pth wrote")
 
@@ -61,6 +66,11 @@ def _command(opts: Any) -> int:
         return _run(opts)
     if opts.command == "report":
         return _report(opts)
+    if opts.command == "presets":
+        from kvguard._presets import describe
+
+        print(describe(opts.names))
+        return 0
     if opts.command == "install-pth":
         print(f"kvguard: wrote {_pth.install()}")
         return 0

@@ -114,16 +114,33 @@ def env_source(name: str) -> str:
 
 
 def parse_targets(value: str, source: str = env_source("KVGUARD_TARGETS")) -> tuple[Target, ...]:
-    """Targets from a comma-separated `module:qualname(argname)` list; names `source` on error."""
-    targets = []
+    """Targets from a comma-separated list; names `source` on error.
+
+    Each entry is `module:qualname(argname)` or, without a colon, a preset name (`slime`,
+    `verl`, ...: see `_presets`), which stands for its functions. A function named both
+    by a preset and explicitly is guarded once, as the explicit entry says.
+    """
+    targets: list[Target] = []
     for item in filter(str.strip, value.split(",")):
-        match = _TARGET.match(item)
-        if match is None:
-            raise ConfigError(
-                f"invalid target {item.strip()!r} in {source}; expected module:qualname(argname), "
-                "e.g. myrl.loss:compute_advantages_and_returns(rollout_data)"
-            )
-        targets.append(Target(*match.groups()))
+        if ":" not in item:
+            from kvguard import _presets
+
+            expanded: tuple[Target, ...] = _presets.expand(item, source)
+        else:
+            match = _TARGET.match(item)
+            if match is None:
+                raise ConfigError(
+                    f"invalid target {item.strip()!r} in {source}; expected module:qualname(argname), "
+                    "e.g. myrl.loss:compute_advantages_and_returns(rollout_data)"
+                )
+            expanded = (Target(*match.groups()),)
+        for target in expanded:
+            same = [i for i, t in enumerate(targets) if (t.module, t.qualname) == (target.module, target.qualname)
+                    and (type(t) is not Target or type(target) is not Target)]
+            if not same:
+                targets.append(target)
+            elif type(target) is Target:  # explicit wins over a preset's entry for the same function
+                targets[same[0]] = target
     return tuple(targets)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 import sys
 from typing import (Any, Callable, Concatenate, Iterator, NamedTuple, Optional, ParamSpec, Sequence,
                     TypeVar)
@@ -222,7 +223,8 @@ def _walk(t: torch.Tensor, base: int, start: int, stop: int) -> Iterator[tuple[i
 
 
 def _read(data: _Data, piece: torch.Tensor) -> torch.Tensor:
-    return piece.dequantize() if data.dequantize else piece
+    """A piece's values as plain numbers: lazy conjugate and negative views resolved."""
+    return piece.dequantize() if data.dequantize else piece.resolve_conj().resolve_neg()
 
 
 def _ranges(data: _Data, ranges: Optional[Ranges]) -> list[tuple[int, int]]:
@@ -412,11 +414,15 @@ def _sample(found: _Changes, nonzero: torch.Tensor, was: torch.Tensor, after: to
         found.samples.append((index + i, was[i].item(), after[i].item()))
 
 
+# How to read a value's bits in Python: (struct format, bits dropped from a float32's).
+_BITS = {torch.float32: ("<f", "<I", 0), torch.float16: ("<e", "<H", 0), torch.bfloat16: ("<f", "<I", 16)}
+
+
 def _prints_alike(top: float, dtype: torch.dtype) -> bool:
-    """Whether the values one step below and above `top` in `dtype` print the same."""
-    value = torch.tensor(top, dtype=dtype)
-    lo = torch.nextafter(value, torch.tensor(-math.inf, dtype=dtype)).item()
-    hi = torch.nextafter(value, torch.tensor(math.inf, dtype=dtype)).item()
+    """Whether the values one step below and above `top` (> 0, a value of `dtype`) print the same."""
+    fmt, ints, drop = _BITS[dtype]
+    bits = struct.unpack(ints, struct.pack(fmt, top))[0] >> drop
+    lo, hi = (struct.unpack(fmt, struct.pack(ints, b << drop))[0] for b in (bits - 1, bits + 1))
     return math.isfinite(lo) and math.isfinite(hi) and _fmt(lo) == _fmt(hi)
 
 
@@ -427,7 +433,9 @@ def _exact_max(was: torch.Tensor, after: torch.Tensor, where: torch.Tensor) -> f
     """max |after - before| over `where`, in float64 (complex128)."""
     wide = torch.complex128 if was.dtype.is_complex else torch.float64
     best: Optional[float] = None
-    for idx in where.nonzero().reshape(-1).split(_GATHER):
+    found = where.nonzero().reshape(-1)
+    for start in range(0, found.numel(), _GATHER):
+        idx = found[start:start + _GATHER]
         best = _max_of(best, float((after[idx].to(wide) - was[idx].to(wide)).abs().max().item()))
     assert best is not None, "called with no value to compare"
     return best

@@ -40,7 +40,10 @@ def _hook(target: Target, *options: Any) -> Callable[[Any], None]:
         try:
             patch(module, target, *options)
         except Exception as exc:  # noqa: BLE001 - never break the user's import
-            say(f"kvguard: cannot guard {target}: {exc}")
+            from kvguard._presets import missing_reason
+
+            if missing_reason(target, module) is None:  # a preset's function missing here: said at exit
+                say(f"kvguard: cannot guard {target}: {exc}")
     return on_import
 
 

@@ -38,6 +38,7 @@ class MutationGuardMode(TorchDispatchMode):
         self.protected = protected
         self.on_event = on_event
         self.block = block
+        self.ops = 0  # ops dispatched under the mode: none means the guarded code did no tensor work
 
     def __enter__(self) -> MutationGuardMode:
         self._unhook_swap = _torch.on_swap_tensors(self._on_swap)
@@ -79,6 +80,7 @@ class MutationGuardMode(TorchDispatchMode):
         return after
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
         cached = _facts_cache.get(id(func))
         facts = cached[1] if cached is not None else _op_facts(func)
         if not facts.written:
@@ -105,10 +107,11 @@ class MutationGuardMode(TorchDispatchMode):
         # dropped once the event is built: memory in proportion to the write, held briefly.
         copies: dict[int, _Copy] = {}
         if facts.kind == "write":
+            windows = _torch.write_windows(written)
             for entry in hit:
                 tensor = protected.tensor_of(entry)
                 if tensor is not None:
-                    ranges = _torch.flat_ranges(tensor, written)
+                    ranges = _torch.flat_ranges(tensor, windows)
                     copies[id(entry)] = (_diff.snapshot(tensor, ranges), ranges)
         before_meta = {} if facts.kind == "write" else {
             id(e): _describe(protected.tensor_of(e)) for e in hit}

@@ -29,10 +29,10 @@ class Change(NamedTuple):
 
 
 class Entry:
-    """One protected tensor: its path, memory, placement and (lazily) its last value."""
+    """One protected tensor: its path, memory, placement and the digest of its values."""
 
-    __slots__ = ("path", "ref", "spans", "placed_at", "fingerprint", "digest", "explained", "before",
-                 "aliases", "detached", "__weakref__")
+    __slots__ = ("path", "ref", "spans", "placed_at", "fingerprint", "digest", "explained", "aliases",
+                 "detached", "__weakref__")
 
     def __init__(self, path: str, tensor: torch.Tensor, ref: Callable[[], Optional[torch.Tensor]],
                  placed_at: Optional[str]) -> None:
@@ -43,7 +43,6 @@ class Entry:
         self.fingerprint = _torch.storage_fingerprint(tensor)
         self.digest: _digest.Digest = None  # its values when last looked at (see `_digest`)
         self.explained = False  # an op event reported a write since then
-        self.before: Optional[torch.Tensor] = None  # copied on the first write only
         self.aliases: list[str] = []  # other paths to the same tensor object
         self.detached = False  # no longer reachable from the guarded object
 

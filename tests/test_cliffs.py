@@ -214,7 +214,7 @@ def test_logits_overlap_in_a_guard_is_exact_and_cheap() -> None:
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_flat_ranges_hold_every_element_the_write_can_change(name: str) -> None:
     protected, written = LAYOUTS[name]()
-    ranges = _torch.flat_ranges(protected, [written])
+    ranges = _torch.flat_ranges(protected, _torch.write_windows([written]))
     order = _torch.memory_order(protected)
     if ranges is None:  # "all": always safe
         return
@@ -230,13 +230,18 @@ def test_flat_ranges_hold_every_element_the_write_can_change(name: str) -> None:
 
 
 def test_flat_ranges_copy_what_was_written_not_the_span() -> None:
+    def ranges(t: torch.Tensor, *written: torch.Tensor) -> Optional[list[tuple[int, int]]]:
+        return _torch.flat_ranges(t, _torch.write_windows(written))
     logits = torch.empty(2, 64, 512)
     prefix = logits[:, :-1, :]
-    assert _torch.flat_ranges(prefix, [logits[:, 5, :]]) == [(5 * 512, 6 * 512), (68 * 512, 69 * 512)]
+    assert ranges(prefix, logits[:, 5, :]) == [(5 * 512, 6 * 512), (68 * 512, 69 * 512)]
     big = torch.empty(1000, 100)
-    assert _torch.flat_ranges(big, [big[900, 3]]) == [(90003, 90004)]
-    assert _torch.flat_ranges(big.t(), [big[7]]) == [(700, 800)]  # memory order: big's rows
-    assert _torch.flat_ranges(big, [big[:, 3]]) == [(3, 99904)]  # 1000 runs: the span
+    assert ranges(big, big[900, 3]) == [(90003, 90004)]
+    assert ranges(big.t(), big[7]) == [(700, 800)]  # memory order: big's rows
+    assert ranges(big, big[:, 3]) == [(3, 99904)]  # 1000 runs: the span
+    assert ranges(big, big[5, :2], torch.empty(3), big[1]) == [(100, 200), (500, 502)]
+    assert ranges(big[10:20], big[:2], big[30:]) is None  # no window meets it: take all
+    assert ranges(torch.empty(0), big) is None
 
 
 # ---------------------------------------------------------------------------------------
@@ -404,6 +409,15 @@ def test_transposed_protected_tensor_reports_in_its_own_indices() -> None:
     assert ev.diff == ("4/12 elements changed, max |Δ| 100, 0 sign flips; "
                        "[0, 1] 4 → 104   [1, 1] 5 → 105   [2, 1] 6 → 106   [3, 1] 7 → 107")
     assert (ev.before, ev.after) == ("[(+1) … 4, 8, 1, 5 … (+7)]", "[(+1) … 104, 8, 1, 105 … (+7)]")
+
+
+def test_lazy_conjugate_and_negative_views_are_compared_as_values() -> None:
+    c = torch.complex(torch.arange(4.0), torch.arange(4.0) + 1)
+    with kvguard.guard({"im": c.conj().imag, "cc": c.conj()}, name="d", action="record") as g:
+        c.imag.mul_(-2)
+    diffs = {e.path: e.diff for e in g.report.events}
+    assert diffs["d['im']"] == "4/4 elements changed, max |Δ| 12, 4 sign flips; [0] -1 → 2   [1] -2 → 4   [2] -3 → 6   [3] -4 → 8"
+    assert diffs["d['cc']"].startswith("4/4 elements changed, max |Δ| 12; [0] 0-1j → 0+2j")
 
 
 def test_every_write_is_compared_with_the_values_just_before_it() -> None:

@@ -1,45 +1,92 @@
-"""Property test: kvguard reports a write exactly when it touches protected memory.
+"""Property test: kvguard reports a change exactly when, and through the channel where, it happens.
 
 Hypothesis draws short programs over a small universe of tensors: protected and
-unprotected float32 bases, a complex64 base, and protected entries that are views of one
+unprotected float32 bases, a complex64 base, and candidate entries that are views of one
 shared base (row and column split chunks, interleaved `[:, ::2]` / `[:, 1::2]` halves, an
 `unbind` row, a 0-d element, a strided uint8 view, a numpy alias of a row, an empty slice,
-the imaginary halves of the complex base) whose siblings stay unprotected. Each step builds
-a target by a chain of views (slices, select, transpose, split / chunk / unbind, strides,
-dtype views, numpy aliases, `.data`, `.detach()`, `.real` / `.imag` / `.conj()`,
-`view_as_real`, and `reshape` / `contiguous`, which may copy) and applies one op to it:
-in-place, `copy_`, `out=`, `t[mask] = 0`, `t[i] += 1`, `_foreach_add_`, or an out-of-place
-op. Views and ops that raise for the drawn shapes are dropped by a dry run without a guard.
+the imaginary halves of the complex base) whose siblings stay unprotected. The guarded
+object holds the protected entries in a drawn layout of containers: the root is a dict,
+an `OrderedDict`, a `SimpleNamespace`, a dataclass, a namedtuple, a list, a tuple or the
+one tensor itself, with up to two sub-containers of those kinds; some candidates are
+placed into a mutable container only inside the guard (`c['Sr0'] = t`, `exp.Sr0 = t`,
+`lst.append(t)`).
 
-The oracle is independent of kvguard: it turns every tensor into the set of absolute byte
-addresses its elements cover (data_ptr, sizes, strides, element_size, in plain Python) and
-says a step writes a protected entry iff the bytes the step's op writes intersect that
-entry's bytes. Events are mapped to steps by the growth of `g.report.events` across each
-step. Every step must produce exactly the oracle's set of paths: no miss, no false alarm.
+Each step is one of:
 
-Set KVGUARD_HYPOTHESIS_EXAMPLES to change the number of examples for a local run.
+- `op`: a chain of views (slices, select, transpose, split / chunk / unbind, strides,
+  dtype views, numpy aliases, `.data`, `.detach()`, `.real` / `.imag` / `.conj()`,
+  `view_as_real`, and `reshape` / `contiguous`, which may copy), then one op: in-place,
+  `copy_`, `out=`, `t[mask] = 0`, `t[i] += 1`, `_foreach_add_`, `t_` / `unsqueeze_`
+  (metadata), or an out-of-place op;
+- `thread`: the same, with the op run by a `threading.Thread`, joined before the next step;
+- `numpy`: `t.numpy()[i] = v`;
+- `ctypes`: `ctypes.memset` / `ctypes.memmove` of a few bytes at an address computed
+  inside a tensor's memory (an element's address plus a byte offset, within its storage);
+- `apply`: `t.apply_(fn)`, a Python call per element that dispatches nothing;
+- re-pointing: `k.data = r`, `torch.utils.swap_tensors(k, r)`, `k.set_(r)` (r: a copy with
+  the same values and layout, one with one bit flipped, or another tensor of the universe),
+  and `k.share_memory_()`, which moves the storage and keeps the values;
+- `place`: a candidate stored into its container inside the guard;
+- `check`: `g.check()`, a boundary (the guard's exit is the last one).
+
+The oracle is independent of kvguard. Memory is a set of absolute byte addresses (from
+data_ptr, sizes, strides and element_size, in plain Python), values are the element
+bytes read with ctypes in logical order (with dtype and shape), and the program says
+what each step writes. Per protected entry it expects:
+
+- at the op (`level="full"` only): an event of kind `write` when a dispatched op's written
+  bytes overlap the entry's bytes (writes of identical values included), `metadata` for
+  `t_` / `unsqueeze_` and `repoint` for `set_` / `swap_tensors` of the entry's own tensor
+  object; under `action="raise"` exactly one such event, blocked, with every tensor of the
+  universe unchanged;
+- at a boundary (`g.check()` or the exit): an `unobserved` event when the entry's values
+  differ from those at the previous boundary (or when it was protected) and, at the full
+  level, no op event reported the entry since then. A storage move that keeps the values
+  is no change; numpy, ctypes, `apply_` and other-thread writes reach no op.
+
+A tensor placed inside the guard is protected from kvguard's next look: at the full level
+the next op that writes anything in the guarded thread (here: an `op` or `set_` step, or a
+`share_memory_()`, which copies through dispatched ops), at both levels the next boundary.
+
+Every program runs four times, each on a fresh universe: `level="full"` and
+`level="light"`, each under `action="record"` and `action="raise"` (where a boundary that
+finds a change raises `MutationError` for its first finding, after recording them all).
+Steps whose views or ops raise for the drawn shapes are dropped by a dry run without a
+guard, which also drops the steps that would show a known kvguard bug (KNOWN_BUGS; each
+is pinned by a strict xfail test below; KVGUARD_PROPERTY_KNOWN_BUGS=1 keeps those steps).
+A failure prints the program as code, each step followed by the oracle's verdict for it.
+
+KVGUARD_HYPOTHESIS_EXAMPLES sets the number of generated programs (default 400: about
+10 s of CPU, 15-25 s for the file on a shared 2-core machine); for a longer local hunt,
+e.g. `KVGUARD_HYPOTHESIS_EXAMPLES=5000 pytest tests/test_property.py` (about 3 minutes).
 """
 
 from __future__ import annotations
 
+import collections
+import ctypes
 import dataclasses
 import itertools
 import os
+import threading
+import types
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
+import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import kvguard
 
-MAX_EXAMPLES = 500
-EXAMPLES = int(os.environ.get("KVGUARD_HYPOTHESIS_EXAMPLES", MAX_EXAMPLES))
+EXAMPLES = int(os.environ.get("KVGUARD_HYPOTHESIS_EXAMPLES", "400"))
+KEEP_KNOWN_BUGS = os.environ.get("KVGUARD_PROPERTY_KNOWN_BUGS", "").strip().lower() not in ("", "0", "no", "off")
+VARIANTS = (("full", "record"), ("full", "raise"), ("light", "record"), ("light", "raise"))
 
 
 # ---------------------------------------------------------------------------------------
-# The oracle: exact byte sets, in plain Python (no torch op, no kvguard code)
+# The oracle: exact byte sets and element values, in plain Python (no kvguard code)
 
 
 def byte_set_meta(ptr: int, sizes: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> frozenset[int]:
@@ -66,12 +113,33 @@ def select_byte_set(t: torch.Tensor, i: int) -> frozenset[int]:
     return byte_set_meta(ptr, tuple(t.shape[1:]), tuple(t.stride()[1:]), t.element_size())
 
 
+def element_addresses(t: torch.Tensor) -> list[int]:
+    """The address of each element, in logical (row-major) order."""
+    ptr, size, stride = t.data_ptr(), t.element_size(), t.stride()
+    return [ptr + sum(i * s for i, s in zip(idx, stride)) * size
+            for idx in itertools.product(*(range(n) for n in t.shape))]
+
+
+Values = tuple[Any, ...]
+
+
+def values_of(t: torch.Tensor) -> Values:
+    """What a value comparison sees: dtype, shape and the element bytes in logical order."""
+    size = t.element_size()
+    raw = b"".join(ctypes.string_at(a, size) for a in element_addresses(t)) if t.numel() else b""
+    return (t.dtype, tuple(t.shape), t.is_conj(), raw)
+
+
+def layout_of(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+
+
 def hit_paths(written: frozenset[int], protected: dict[str, frozenset[int]]) -> set[str]:
     return {path for path, bytes_ in protected.items() if bytes_ & written}
 
 
 # ---------------------------------------------------------------------------------------
-# The universe: bases and protected candidates
+# The universe: bases, candidates, and the containers that hold them
 
 
 @dataclass(frozen=True)
@@ -83,10 +151,14 @@ class Universe:
     cs: int
     rsplit: int  # torch.split(S, rsplit, dim=0)
     csplit: int  # torch.split(S, csplit, dim=1)
-    protected: tuple[str, ...]  # names put in the guarded dict
+    protected: tuple[str, ...]  # candidates in the guarded object from the start
+    late: tuple[str, ...] = ()  # candidates placed into it inside the guard (a `place` step)
+    root: str = "dict"  # a container kind (CONTAINERS), or "tensor": the one protected entry is the object
+    groups: tuple[str, ...] = ()  # kinds of the sub-containers g1, g2, held by the root
+    where: tuple[int, ...] = ()  # per name of protected + late: 0 the root, j the group g<j>; () all in the root
 
 
-# The bases, then the candidate entries of the guarded dict, each an expression over the
+# The bases, then the candidate entries of the guarded object, each an expression over the
 # names defined before it (evaluated, so that the failure message shows the exact code).
 BASES: dict[str, str] = {
     "P1": "torch.arange({n1}, dtype=torch.float32) + 1",
@@ -115,6 +187,8 @@ CANDIDATES: dict[str, str] = {
     "E": "S[1:1]",  # empty: no element, so nothing can overlap it
 }
 SOURCES = ("U1", "U2", *CANDIDATES)
+CONTAINERS = ("dict", "odict", "ns", "dc", "nt", "list", "tuple")
+MUTABLE = ("dict", "odict", "ns", "dc", "list")  # can take a placement inside the guard
 
 
 def _code(u: Universe) -> list[tuple[str, str]]:
@@ -130,10 +204,128 @@ def build_universe(u: Universe) -> dict[str, torch.Tensor]:
     return {k: v for k, v in env.items() if isinstance(v, torch.Tensor)}
 
 
+def _members(u: Universe) -> list[tuple[str, int, bool]]:
+    """(name, container index, placed late) for every protected and late candidate."""
+    names = [*u.protected, *u.late]
+    where = u.where or (0,) * len(names)
+    return [(name, where[j], name in u.late) for j, name in enumerate(names)]
+
+
+def _suffix(kind: str, key: str, index: int) -> str:
+    if kind in ("dict", "odict"):
+        return f"[{key!r}]"
+    if kind in ("ns", "dc", "nt"):
+        return f".{key}"
+    return f"[{index}]"
+
+
+def _make(kind: str, items: list[tuple[str, Any]], late: list[str]) -> Any:
+    """A container of `kind` holding `items`; a dataclass also has a None field per late name."""
+    if kind == "dict":
+        return dict(items)
+    if kind == "odict":
+        return collections.OrderedDict(items)
+    if kind == "ns":
+        return types.SimpleNamespace(**dict(items))
+    if kind == "dc":
+        cls = dataclasses.make_dataclass("Exp", [(k, Any) for k, _ in items]
+                                         + [(k, Any, dataclasses.field(default=None)) for k in late])
+        return cls(**dict(items))
+    if kind == "nt":
+        return collections.namedtuple("Batch", [k for k, _ in items])(*(v for _, v in items))
+    if kind == "list":
+        return [v for _, v in items]
+    assert kind == "tuple"
+    return tuple(v for _, v in items)
+
+
+def _make_code(kind: str, items: list[tuple[str, str]], late: list[str]) -> str:
+    pairs = ", ".join(f"{k!r}: {v}" for k, v in items)
+    if kind == "dict":
+        return "{" + pairs + "}"
+    if kind == "odict":
+        return "OrderedDict({" + pairs + "})"
+    if kind == "ns":
+        return "SimpleNamespace(" + ", ".join(f"{k}={v}" for k, v in items) + ")"
+    if kind == "dc":
+        fields = [*(k for k, _ in items), *(f"{k}=None" for k in late)]
+        return f"(@dataclass Exp({', '.join(fields)}))(" + ", ".join(f"{k}={v}" for k, v in items) + ")"
+    if kind == "nt":
+        return f"namedtuple('Batch', {[k for k, _ in items]})(" + ", ".join(v for _, v in items) + ")"
+    if kind == "list":
+        return "[" + ", ".join(v for _, v in items) + "]"
+    return "(" + ", ".join(v for _, v in items) + ",)"
+
+
+class Tree:
+    """The guarded object built from a universe's layout, and how to place the late names."""
+
+    def __init__(self, u: Universe, env: dict[str, torch.Tensor]) -> None:
+        members = _members(u)
+        self.paths: dict[str, str] = {}
+        if u.root == "tensor":
+            (name,) = u.protected
+            self.root: Any = env[name]
+            self.paths[name] = "d"
+            self.code = [f"d = {name}"]
+            self.holder: dict[str, tuple[str, Any, str]] = {}
+            return
+        kinds = [u.root, *u.groups]
+        prefixes = ["d", *("" for _ in u.groups)]
+        # Sub-containers first (the root holds them), each with its own items
+        made: list[Any] = [None] * len(kinds)
+        codes: list[str] = [""] * len(kinds)
+        for j in range(len(kinds) - 1, -1, -1):
+            items = [(name, env[name]) for name, at, late in members if at == j and not late]
+            item_codes = [(name, name) for name, at, late in members if at == j and not late]
+            late_names = [name for name, at, late in members if at == j and late]
+            if j == 0:
+                items += [(f"g{g}", made[g]) for g in range(1, len(kinds))]
+                item_codes += [(f"g{g}", f"g{g}") for g in range(1, len(kinds))]
+            made[j] = _make(kinds[j], items, late_names)
+            codes[j] = _make_code(kinds[j], item_codes, late_names)
+        # Paths: the root's own keys, then each group's path inside the root
+        root_keys = [name for name, at, late in members if at == 0 and not late]
+        root_keys += [f"g{g}" for g in range(1, len(kinds))]
+        for g in range(1, len(kinds)):
+            prefixes[g] = "d" + _suffix(kinds[0], f"g{g}", root_keys.index(f"g{g}"))
+        for j in range(len(kinds)):
+            keys = [name for name, at, late in members if at == j and not late]
+            for index, name in enumerate(keys):
+                self.paths[name] = prefixes[j] + _suffix(kinds[j], name, index)
+        self.root = made[0]
+        self.code = [f"g{g} = {codes[g]}" for g in range(1, len(kinds))] + [f"d = {codes[0]}"]
+        # late name -> (container kind, container, its path)
+        self.holder = {name: (kinds[at], made[at], prefixes[at]) for name, at, late in members if late}
+
+    def place(self, name: str, tensor: torch.Tensor) -> None:
+        kind, container, prefix = self.holder[name]
+        if name in self.paths:
+            raise Skip(f"{name} is placed already")
+        if kind in ("dict", "odict"):
+            container[name] = tensor
+            self.paths[name] = prefix + f"[{name!r}]"
+        elif kind in ("ns", "dc"):
+            setattr(container, name, tensor)
+            self.paths[name] = prefix + f".{name}"
+        else:
+            assert kind == "list"
+            self.paths[name] = prefix + f"[{len(container)}]"
+            container.append(tensor)
+
+    def place_code(self, name: str) -> str:
+        kind, _, prefix = self.holder[name]
+        if kind in ("dict", "odict"):
+            return f"{prefix}[{name!r}] = {name}"
+        if kind in ("ns", "dc"):
+            return f"{prefix}.{name} = {name}"
+        return f"{prefix}.append({name})"
+
+
 def render_universe(u: Universe) -> list[str]:
     lines = [f"{name} = {code}" for name, code in _code(u)]
-    lines.append("d = {" + ", ".join(f"{k!r}: {k}" for k in u.protected) + "}")
-    return lines
+    env = build_universe(u)
+    return lines + Tree(u, env).code
 
 
 # ---------------------------------------------------------------------------------------
@@ -246,16 +438,21 @@ OPS: dict[str, tuple[Callable[[list[torch.Tensor], int], Any], str]] = {
     "aug": (_op_aug, "t[{i}] += 1"),
     # writes every target
     "foreach": (lambda ts, i: torch._foreach_add_(ts, 1), "torch._foreach_add_([{ts}], 1)"),
+    # metadata: change the target object's layout, write no value
+    "t_": (lambda ts, i: ts[0].t_(), "t.t_()"),
+    "unsqueeze_": (lambda ts, i: ts[0].unsqueeze_(0), "t.unsqueeze_(0)"),
     # out-of-place: never a write to the targets
     "oop_mul": (lambda ts, i: ts[0] * 2, "t * 2"),
     "oop_add": (lambda ts, i: torch.add(ts[0], 1), "torch.add(t, 1)"),
     "oop_clamp": (lambda ts, i: ts[0].clamp(0, 1), "t.clamp(0, 1)"),
 }
+METADATA_OPS = ("t_", "unsqueeze_")
+VALUE_OPS = tuple(op for op in OPS if op not in METADATA_OPS and not op.startswith("oop_"))
 
 
 def written_bytes(op: str, ts: list[torch.Tensor], i: int) -> frozenset[int]:
-    """The oracle's write set of one step, from its targets' metadata."""
-    if op.startswith("oop_"):
+    """The oracle's value-write set of one op, from its targets' metadata."""
+    if op.startswith("oop_") or op in METADATA_OPS:
         return frozenset()
     if op == "aug":
         return select_byte_set(ts[0], i)
@@ -274,15 +471,31 @@ Target = tuple[str, tuple[tuple[Any, ...], ...]]  # (source name, view chain)
 
 @dataclass(frozen=True)
 class Step:
-    targets: tuple[Target, ...]
-    op: str
-    i: int = 0
+    kind: str  # op, thread, numpy, ctypes, apply, data, swap, set, share, place, check
+    targets: tuple[Target, ...] = ()  # op, thread, numpy, ctypes, apply
+    op: str = ""  # op, thread: a key of OPS; ctypes: memset0, memset7f, memmove
+    i: int = 0  # op / thread: the index of `aug`; numpy: the row; ctypes: the element
+    name: str = ""  # data, swap, set, share, place: the tensor object (a universe name)
+    partner: str = ""  # data, swap, set: "same", "flip" (a fresh copy) or a universe name
+    v: int = 0  # numpy: the value; ctypes: byte offset into the element
+    n: int = 1  # ctypes: bytes written
+
+
+def op_step(targets: tuple[Target, ...], op: str, i: int = 0) -> Step:
+    return Step("op", targets, op, i)
 
 
 @dataclass(frozen=True)
 class Program:
     universe: Universe
     steps: tuple[Step, ...]
+
+
+def names_used(prog: Program) -> set[str]:
+    """Every universe name the program refers to (entries, sources, re-pointing partners)."""
+    u = prog.universe
+    return {*u.protected, *u.late, *(src for s in prog.steps for src, _ in s.targets),
+            *(s.name for s in prog.steps), *(s.partner for s in prog.steps)}
 
 
 def build_target(env: dict[str, torch.Tensor], target: Target) -> torch.Tensor:
@@ -293,14 +506,478 @@ def build_target(env: dict[str, torch.Tensor], target: Target) -> torch.Tensor:
     return t
 
 
-def resolve(prog: Program) -> Program:
-    """Drop the views and steps that raise, by running the program once without a guard.
+class Skip(Exception):
+    """A step that cannot run here: invalid for the drawn shapes, or unsafe for memory."""
+
+
+def _ctypes_span(t: torch.Tensor, j: int, b: int, n: int) -> tuple[int, int]:
+    """`[addr, addr + n)`: a byte offset into element `j`, clipped to the tensor's storage."""
+    if t.numel() == 0:
+        raise Skip("no element to address")
+    addr = element_addresses(t)[j % t.numel()] + b % t.element_size()
+    storage = t.untyped_storage()
+    end = min(addr + n, storage.data_ptr() + storage.nbytes())
+    return addr, end
+
+
+def _ctypes_write(how: str, addr: int, end: int) -> None:
+    if how == "memset0":
+        ctypes.memset(addr, 0, end - addr)
+    elif how == "memset7f":
+        ctypes.memset(addr, 0x7F, end - addr)
+    else:
+        pattern = bytes((0x41 + k) & 0xFF for k in range(end - addr))
+        ctypes.memmove(addr, pattern, end - addr)
+
+
+def replica(t: torch.Tensor, flip: bool) -> torch.Tensor:
+    """A fresh tensor with `t`'s dtype, shape, strides and element bytes (one bit flipped).
+
+    Made without a dispatched write (`empty_strided`, then ctypes), so that building it is
+    no look of the guard's (see the module docstring).
+    """
+    r = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype)
+    size = t.element_size()
+    for src, dst in zip(element_addresses(t), element_addresses(r)):
+        ctypes.memmove(dst, src, size)
+    if flip and r.numel():
+        addr = r.data_ptr()
+        ctypes.memset(addr, ctypes.string_at(addr, 1)[0] ^ 1, 1)
+    return r
+
+
+def _scratch_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy on which an op fails as on `t`: same dtype, shape, and lazy conjugate bit."""
+    return t.conj().clone().conj() if t.is_conj() else t.clone()
+
+
+def run_in_thread(fn: Callable[[], Any]) -> None:
+    """Run `fn` on another thread, joined; its exception is raised here."""
+    failure: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            failure.append(exc)
+
+    worker = threading.Thread(target=body)
+    worker.start()
+    worker.join()
+    if failure:
+        raise failure[0]
+
+
+# ---------------------------------------------------------------------------------------
+# Known kvguard bugs: the dry run drops steps that would show them (unless
+# KVGUARD_PROPERTY_KNOWN_BUGS=1); each has a strict xfail test at the end of this file.
+
+KNOWN_BUGS = {
+    "stale-memory": "after a protected tensor is re-pointed outside the dispatcher (k.data = x, "
+                    "share_memory_()), a write to its new memory through any other tensor object is "
+                    "missed at the op (not blocked under raise) until the next boundary",
+    "absorbed": "at the full level, an op event on an entry hides every other change to it until the "
+                "next boundary: a numpy / ctypes / thread / .data change to the same entry in that "
+                "interval is never reported",
+    "layout-digest": "the C digest depends on the memory layout, not only on the values: re-pointing "
+                     "(or transposing) an entry to equal values in another layout is reported as a change",
+}
+
+
+# ---------------------------------------------------------------------------------------
+# Running a program: the same walk with a guard (checking) or without one (resolving)
+
+DIRECT_OPS = tuple(op for op in VALUE_OPS if op != "aug")  # ops whose written tensor is the target itself
+
+
+class Dropped(Exception):
+    """The dry run drops this step (`reason`), and starts again without it."""
+
+    def __init__(self, reason: str, at: Optional[int] = None) -> None:
+        super().__init__(reason, at)
+        self.reason, self.at = reason, at  # at: the step to drop, when not the current one
+
+
+class Runner:
+    """One run of a program under one (level, action), with the oracle's state beside it.
+
+    State per protected entry (by universe name): its values at the last boundary (or when
+    it was protected); whether an op event reported it since (`explained`); whether a
+    non-dispatched step changed its values since (`unobserved`); whether its memory moved
+    outside the dispatcher since (`moved`). Placed names wait in `pending` until a look.
+    """
+
+    def __init__(self, prog: Program, level: str, action: str, guarded: bool, known_bugs: bool) -> None:
+        self.prog, self.level, self.action, self.guarded, self.known_bugs = prog, level, action, guarded, known_bugs
+        self.full = level == "full"
+        u = prog.universe
+        self.env = build_universe(u)
+        s = self.env["S"]
+        # Sn's numpy array points into S's storage: while Sn lives, that memory must never be
+        # freed or moved. A program that never names Sn lets it go, and may move S's storage.
+        if "Sn" not in names_used(prog):
+            del self.env["Sn"]
+        self.keep: list[Any] = [s.untyped_storage()]
+        self.s_storage = s.untyped_storage().data_ptr()
+        self.tree = Tree(u, self.env)
+        self.baseline: dict[str, Values] = {}
+        self.pending: list[str] = []
+        self.explained: set[str] = set()
+        self.unobserved: set[str] = set()
+        self.moved: set[str] = set()
+        self.strides: dict[str, tuple[int, ...]] = {}  # each entry's strides at its baseline
+        self.relaid: dict[str, int] = {}  # the last step that changed an entry's strides
+        self.problems: list[str] = []
+        self.verdicts: dict[int, str] = {}  # per step (and the exit): what the oracle expects
+        self.guard: Any = None
+        self.checked = 0  # events already returned by g.check()
+
+    # -- the oracle ------------------------------------------------------------------
+
+    def protect(self, names: list[str]) -> None:
+        for name in names:
+            self.baseline[name] = values_of(self.env[name])
+            self.strides[name] = tuple(self.env[name].stride())
+
+    def look(self) -> None:
+        """kvguard's next look: placed names become protected, with their values now."""
+        self.protect(self.pending)
+        self.pending = []
+
+    def path(self, name: str) -> str:
+        return self.tree.paths[name]
+
+    def paths(self, names: Any) -> list[str]:
+        return sorted(self.path(n) for n in names)
+
+    def entries_in(self, written: frozenset[int]) -> set[str]:
+        return {n for n in self.baseline if byte_set(self.env[n]) & written}
+
+    def boundary(self) -> set[str]:
+        """The entries a boundary must report; then every baseline is now."""
+        self.look()
+        expected, now = set(), {}
+        for name, was in self.baseline.items():
+            t = self.env[name]
+            now[name] = values_of(t)
+            if self.full and name in self.explained:
+                # An op reported the entry: a change no op made is still to be found (the
+                # dry run drops this case, see KNOWN_BUGS["absorbed"])
+                if name in self.unobserved:
+                    expected.add(name)
+                continue
+            if now[name] != was:
+                expected.add(name)
+            elif tuple(t.stride()) != self.strides[name] and t.numel() > 1:
+                self.drop_if("layout-digest", True, at=self.relaid.get(name))
+        self.protect(list(self.baseline))
+        self.explained, self.unobserved, self.moved, self.relaid = set(), set(), set(), {}
+        return expected
+
+    def drop_if(self, bug: str, condition: bool, at: Optional[int] = None) -> None:
+        if condition and not self.known_bugs:
+            raise Dropped(bug, at)
+
+    # -- one step --------------------------------------------------------------------
+
+    def step(self, k: int, step: Step) -> None:
+        """Run one step; in a dry run raises Skip / Dropped / any error to drop it."""
+        strides = {n: tuple(self.env[n].stride()) for n in self.baseline}
+        self._step(k, step)
+        for n, stride in strides.items():
+            if tuple(self.env[n].stride()) != stride:
+                self.relaid[n] = k
+
+    def _step(self, k: int, step: Step) -> None:
+        env, full = self.env, self.full
+        kind = step.kind
+        if kind == "check":
+            self.check_boundary(k)
+            return
+        if kind == "place":
+            self.tree.place(step.name, env[step.name])
+            self.pending.append(step.name)
+            self.verdicts[k] = f"protected from the next look on, as {self.path(step.name)}"
+            self.expect_no_event(k, lambda: None)
+            return
+        ts = [build_target(env, tg) for tg in step.targets]
+        if kind in ("numpy", "ctypes", "thread", "apply", "data", "share"):
+            self.unseen_step(k, step, ts)
+            return
+        # Dispatched in this thread (op, set), or reported at its own line (swap).
+        looks = kind in ("op", "set") and not step.op.startswith("oop_")
+        op_kind = "write"
+        partner: Optional[torch.Tensor] = None
+        if kind in ("swap", "set"):
+            partner = self.partner(step)
+            # swap_tensors changes both objects; set_ only its own
+            objects = [env[step.name], partner] if kind == "swap" else [env[step.name]]
+            op_kind = "repoint"
+            written: frozenset[int] = frozenset()
+            run: Callable[[], Any] = (
+                (lambda: torch.utils.swap_tensors(env[step.name], partner)) if kind == "swap"
+                else (lambda: env[step.name].set_(partner)))
+        else:
+            objects = ts  # by identity: `t.conj()` of a real tensor, `t.contiguous()` of a contiguous one are t
+            written = written_bytes(step.op, ts, step.i)
+            op_kind = "metadata" if step.op in METADATA_OPS else "write"
+            run = lambda: OPS[step.op][0](ts, step.i)  # noqa: E731
+        candidates = set(self.baseline) | (set(self.pending) if full and looks else set())
+        if not full:
+            hits: set[str] = set()
+        elif op_kind == "write":
+            hits = {n for n in candidates if byte_set(env[n]) & written}
+        elif kind == "op" and step.op.startswith("oop_"):
+            hits = set()
+        else:
+            hits = {n for n in candidates if any(env[n] is o for o in objects)}
+        if kind == "swap":
+            hits -= set(self.pending)  # kvguard does not look at a swap: a pending name is no entry yet
+        blocked = bool(hits) and self.action == "raise"
+        self.verdicts[k] = (f"expect at the op: {op_kind} {self.paths(hits)}{' (blocked)' if blocked else ''}"
+                            if hits else "expect nothing at the op")
+        # known bugs, judged before the step
+        if full and op_kind == "write":
+            direct = {n for n in self.moved if step.op in DIRECT_OPS and any(env[n] is o for o in objects)}
+            self.drop_if("stale-memory", bool((self.moved - direct) & self.entries_in(written)))
+        if full and self.action == "record":
+            self.drop_if("absorbed", bool(hits & self.unobserved))
+        if not self.guarded and blocked:
+            # Not run: the guard stops it. It must still be valid: try it on copies.
+            if kind == "op":
+                OPS[step.op][0]([_scratch_copy(t) for t in ts], step.i)
+        before = {n: (values_of(t), layout_of(t)) for n, t in env.items()} if blocked else {}
+        if looks and full:
+            self.look()
+        if self.guarded:
+            self.expect_events(k, run, hits, op_kind, blocked, before)
+        elif not blocked:
+            run()
+        if not blocked:
+            if self.action == "record":
+                self.explained |= hits
+            if kind in ("swap", "set") or op_kind == "metadata" or step.op in DIRECT_OPS:
+                self.moved -= {n for n in self.baseline if any(env[n] is o for o in objects)}
+        if partner is not None:
+            self.keep.append(partner)
+
+    def partner(self, step: Step) -> torch.Tensor:
+        k = self.env[step.name]
+        if step.partner in ("same", "flip"):
+            return replica(k, step.partner == "flip")
+        if step.partner == step.name:
+            raise Skip("a tensor with itself")
+        other = self.env[step.partner]
+        if other.dtype != k.dtype:
+            raise Skip("another dtype")
+        return other
+
+    def unseen_step(self, k: int, step: Step, ts: list[torch.Tensor]) -> None:
+        """A step no dispatched op of this thread performs: what it changes is found at a boundary."""
+        env = self.env
+        kind = step.kind
+        looks = False
+        run: Callable[[], Any]
+        if kind == "numpy":
+            (t,) = ts
+            array = t.numpy()
+
+            def run() -> None:
+                if t.dim() == 0:
+                    array[()] = step.v
+                else:
+                    array[step.i] = step.v
+        elif kind == "ctypes":
+            addr, end = _ctypes_span(ts[0], step.i, step.v, step.n)
+            run = lambda: _ctypes_write(step.op, addr, end)  # noqa: E731
+        elif kind == "thread":
+            run = lambda: run_in_thread(lambda: OPS[step.op][0](ts, step.i))  # noqa: E731
+        elif kind == "apply":
+            run = lambda: ts[0].apply_(lambda v: v * 2 + 1)  # noqa: E731 - a Python call per element
+        elif kind == "data":
+            target, new = env[step.name], self.partner(step)
+            self.keep.append(new)
+            run = lambda: setattr(target, "data", new)  # noqa: E731
+        else:
+            assert kind == "share"
+            target = env[step.name]
+            if "Sn" in env and target.untyped_storage().data_ptr() == self.s_storage:
+                raise Skip("moving S's storage would leave Sn's numpy array pointing at freed memory")
+            looks = self.full and not target.is_shared()  # the move copies through dispatched ops
+            run = target.share_memory_
+        if looks:
+            self.look()
+        before = {n: (values_of(env[n]), layout_of(env[n])) for n in self.baseline}
+        self.expect_no_event(k, run)
+        changed = [n for n, (values, _) in before.items() if values_of(env[n]) != values]
+        self.verdicts[k] = "expect nothing at the op" + (f"; changes {self.paths(changed)}" if changed else "")
+        for n, (values, layout) in before.items():
+            if values_of(env[n]) != values:
+                self.drop_if("absorbed", self.full and self.action == "record" and n in self.explained)
+                self.unobserved.add(n)
+            if layout_of(env[n]) != layout:
+                self.moved.add(n)
+
+    # -- checks against the guard ----------------------------------------------------
+
+    def events(self) -> list[Any]:
+        return self.guard.report.events if self.guard is not None else []
+
+    def describe(self, events: list[Any]) -> list[tuple[Any, ...]]:
+        return [(e.path, e.kind, e.op, e.blocked) for e in events]
+
+    def expect_no_event(self, k: int, run: Callable[[], Any]) -> None:
+        if not self.guarded:
+            run()
+            return
+        start = len(self.events())
+        try:
+            run()
+        except kvguard.MutationError as error:
+            self.problems.append(f"step {k}: raised {error.event!r}, expected nothing at the op")
+            return
+        got = self.events()[start:]
+        if got:
+            self.problems.append(f"step {k}: expected no event at the op, got {self.describe(got)}")
+
+    def expect_events(self, k: int, run: Callable[[], Any], hits: set[str], op_kind: str, blocked: bool,
+                      before: dict[str, Any]) -> None:
+        start = len(self.events())
+        caught = None
+        try:
+            run()
+        except kvguard.MutationError as error:
+            caught = error.event  # read: a handled error
+        got = self.events()[start:]
+        expected = {self.path(n) for n in hits}
+        where = f"step {k}: expected {sorted(expected)} ({op_kind}{', blocked' if blocked else ''})"
+        if blocked:
+            if caught is None or len(got) != 1 or got[0] is not caught or got[0].path not in expected \
+                    or got[0].kind != op_kind or not got[0].blocked:
+                self.problems.append(f"{where}, got {self.describe(got)}, raised {caught is not None}")
+            changed = [n for n, was in before.items()
+                       if (values_of(self.env[n]), layout_of(self.env[n])) != was]
+            if changed:
+                self.problems.append(f"step {k}: blocked, yet {changed} changed")
+            return
+        if caught is not None:
+            self.problems.append(f"{where}, raised for {caught.path}")
+        paths = {e.path for e in got}
+        most = len(hits) * max(1, len(self.prog.steps[k].targets))
+        if paths != expected or not len(hits) <= len(got) <= most:
+            self.problems.append(f"{where}, got {self.describe(got)}")
+        elif any(e.kind != op_kind or e.blocked for e in got):
+            self.problems.append(f"{where}, got kinds {self.describe(got)}")
+
+    def expect_boundary(self, where: str, got: list[Any], expected: set[str], raised: Any) -> None:
+        paths = sorted(e.path for e in got)
+        want = sorted(self.path(n) for n in expected)
+        if paths != want:
+            self.problems.append(f"{where}: expected unobserved {want}, got {self.describe(got)}")
+        elif any(e.kind != "unobserved" or e.op != "(no dispatched op)" or e.blocked
+                 or not (e.diff or "").startswith("values changed") for e in got):
+            self.problems.append(f"{where}: expected value changes, got {[(e.path, e.kind, e.diff) for e in got]}")
+        if self.action == "raise" and (raised is None) != (not expected):
+            self.problems.append(f"{where}: raised {raised is not None} with {want} found")
+        if raised is not None and got and raised is not got[0]:
+            self.problems.append(f"{where}: raised for {raised.path}, not the first finding")
+
+    def check_boundary(self, k: int) -> None:
+        expected = self.boundary()
+        self.verdicts[k] = f"expect at this boundary: unobserved {self.paths(expected)}"
+        if not self.guarded:
+            return
+        start = len(self.events())
+        raised, returned = None, None
+        try:
+            returned = self.guard.check()
+        except kvguard.MutationError as error:
+            raised = error.event
+        events = self.events()
+        self.expect_boundary(f"step {k} (g.check())", events[start:], expected, raised)
+        if returned is not None and returned != events[self.checked:]:
+            self.problems.append(f"step {k}: g.check() returned {self.describe(returned)}, "
+                                 f"not the events since the last check")
+        self.checked = len(events)
+
+    # -- the whole program -----------------------------------------------------------
+
+    def run(self) -> list[str]:
+        """Checking run: the guard's events against the oracle, step by step."""
+        self.protect(list(self.prog.universe.protected))
+        g = kvguard.guard(self.tree.root, name="d", action=self.action, level=self.level)
+        raised = None
+        events_before_exit = 0
+        try:
+            with g:
+                self.guard = g
+                for k, step in enumerate(self.prog.steps):
+                    try:
+                        self.step(k, step)
+                    except (Skip, Dropped) as exc:
+                        self.problems.append(f"step {k}: the dry run kept it, but here: {exc!r}")
+                        break
+                    except kvguard.MutationError as error:
+                        self.problems.append(f"step {k}: unexpected {error.event!r}")
+                    except Exception as exc:  # noqa: BLE001 - reported with the program
+                        self.problems.append(f"step {k}: raised {exc!r}")
+                        break
+                events_before_exit = len(g.report.events)
+        except kvguard.MutationError as error:
+            raised = error.event
+        expected = self.boundary()
+        self.verdicts[len(self.prog.steps)] = f"expect at exit: unobserved {self.paths(expected)}"
+        self.expect_boundary("at exit", g.report.events[events_before_exit:], expected, raised)
+        return self.problems
+
+    def resolve(self) -> tuple[list[Step], bool]:
+        """Dry run: the steps that run here; stops at the first step to drop for a known bug.
+
+        Returns the steps for the next dry run and whether one was dropped for a bug (the
+        dry run ran it, so its state is no longer the program's: start again).
+        """
+        steps = self.prog.steps
+        self.protect(list(self.prog.universe.protected))
+        kept: list[int] = []
+        for k, step in enumerate(steps):
+            try:
+                self.step(k, step)
+            except Dropped as bug:
+                at = k if bug.at is None else bug.at
+                return [s for j, s in enumerate(steps) if j != at and (j > k or j in kept or j == k)], True
+            except Exception:  # noqa: BLE001 - an invalid step for these shapes
+                continue
+            kept.append(k)
+        try:  # the exit boundary may show the layout bug of a step before it
+            self.boundary()
+        except Dropped as bug:
+            if bug.at is not None:
+                return [steps[j] for j in kept if j != bug.at], True
+        return [steps[j] for j in kept], False
+
+
+def resolve(prog: Program, level: str, action: str, known_bugs: bool = KEEP_KNOWN_BUGS) -> Program:
+    """Drop the steps that raise for the drawn shapes (and those that would show a known bug).
 
     Only shapes, strides and dtypes decide whether a view or an op is valid, so a dry run
-    on an identical universe tells which parts of the drawn program are meaningful.
+    on an identical universe tells which parts of the drawn program are meaningful. A
+    step dropped for a known bug has run in the dry run, so the dry run starts again
+    without it; views that raise are dropped from their chains first.
     """
+    prog = Program(prog.universe, tuple(_valid_chains(prog)))
+    for _ in range(2 * len(prog.steps) + 2):
+        steps, dropped = Runner(prog, level, action, guarded=False, known_bugs=known_bugs).resolve()
+        new = Program(prog.universe, tuple(steps))
+        if not dropped and new == prog:
+            return prog
+        prog = new
+    raise AssertionError(f"the dry run does not settle:\n{render(prog)}")
+
+
+def _valid_chains(prog: Program) -> list[Step]:
+    """Each step with the views of its chains that raise on the universe's own tensors dropped."""
     env = build_universe(prog.universe)
-    steps = []
+    out = []
     for step in prog.steps:
         targets = []
         for src, chain in step.targets:
@@ -312,15 +989,28 @@ def resolve(prog: Program) -> Program:
                     continue
                 kept.append(view)
             targets.append((src, tuple(kept)))
-        try:
-            OPS[step.op][0]([build_target(env, tg) for tg in targets], step.i)
-        except Exception:  # noqa: BLE001 - an invalid op for this target
-            continue
-        steps.append(Step(tuple(targets), step.op, step.i))
-    return Program(prog.universe, tuple(steps))
+        out.append(dataclasses.replace(step, targets=tuple(targets)))
+    return out
 
 
-def render_step(k: int, step: Step) -> str:
+def check_program(prog: Program, known_bugs: bool = KEEP_KNOWN_BUGS) -> list[str]:
+    """Every variant's disagreements with the oracle, each with the program it ran."""
+    problems = []
+    for level, action in VARIANTS:
+        resolved = resolve(prog, level, action, known_bugs)
+        runner = Runner(resolved, level, action, guarded=True, known_bugs=known_bugs)
+        found = runner.run()
+        if found:
+            problems.append(f"--- level={level!r}, action={action!r}:\n" + render(resolved, runner.verdicts) + "\n"
+                            + "\n".join(found))
+    return problems
+
+
+# ---------------------------------------------------------------------------------------
+# Rendering, for failure messages
+
+
+def render_targets(step: Step) -> str:
     parts = []
     for j, (src, chain) in enumerate(step.targets):
         if step.op != "foreach" and j > 0:
@@ -328,47 +1018,59 @@ def render_step(k: int, step: Step) -> str:
         name = "t" if step.op != "foreach" else f"t{j}"
         code = "; ".join([f"t = {src}", *(render_view(v) for v in chain)])
         parts.append(code + (f"; {name} = t" if name != "t" else ""))
-    op = OPS[step.op][1].format(i=step.i, ts=", ".join(f"t{j}" for j in range(len(step.targets))))
-    return f"step {k}: " + "; ".join(parts) + f"; {op}"
+    return "; ".join(parts)
 
 
-def render(prog: Program) -> str:
-    return "\n".join([*render_universe(prog.universe), *(render_step(k, s) for k, s in enumerate(prog.steps))])
+def render_partner(step: Step) -> str:
+    if step.partner == "same":
+        return f"r  # r = a copy of {step.name}: same values, same strides"
+    if step.partner == "flip":
+        return f"r  # r = a copy of {step.name}, same strides, one bit flipped"
+    return step.partner
 
 
-def protected_bytes(prog: Program, env: dict[str, torch.Tensor]) -> dict[str, frozenset[int]]:
-    return {f"d[{name!r}]": byte_set(env[name]) for name in prog.universe.protected}
+def render_step(k: int, step: Step, tree: Optional[Tree] = None) -> str:
+    kind = step.kind
+    if kind in ("op", "thread"):
+        op = OPS[step.op][1].format(i=step.i, ts=", ".join(f"t{j}" for j in range(len(step.targets))))
+        code = f"{render_targets(step)}; " + (op if kind == "op" else f"Thread(target=lambda: {op}) started, joined")
+    elif kind == "numpy":
+        code = f"{render_targets(step)}; t.numpy()[{step.i}] = {step.v}  # [()] for a 0-d t"
+    elif kind == "ctypes":
+        how = {"memset0": "memset(addr, 0, n)", "memset7f": "memset(addr, 0x7f, n)",
+               "memmove": "memmove(addr, b'ABC...', n)"}[step.op]
+        code = (f"{render_targets(step)}; addr = address of element {step.i} % numel of t, + {step.v} % "
+                f"itemsize; n = {step.n} clipped to t's storage; ctypes.{how}")
+    elif kind == "apply":
+        code = f"{render_targets(step)}; t.apply_(lambda v: v * 2 + 1)"
+    elif kind == "data":
+        code = f"{step.name}.data = {render_partner(step)}"
+    elif kind == "swap":
+        code = f"torch.utils.swap_tensors({step.name}, {render_partner(step)})"
+    elif kind == "set":
+        code = f"{step.name}.set_({render_partner(step)})"
+    elif kind == "share":
+        code = f"{step.name}.share_memory_()"
+    elif kind == "place":
+        code = tree.place_code(step.name) if tree is not None else f"place {step.name}"
+    else:
+        code = "g.check()"
+    return f"step {k}: {code}"
 
 
-def run_guarded(prog: Program) -> list[str]:
-    """Run a resolved program under the guard; return one line per disagreement."""
-    env = build_universe(prog.universe)
-    d = {name: env[name] for name in prog.universe.protected}
-    protected = protected_bytes(prog, env)
-    problems: list[str] = []
-    with kvguard.guard(d, name="d", action="record") as g:
-        events = g.report.events
-        for k, step in enumerate(prog.steps):
-            before = len(events)
-            ts = [build_target(env, tg) for tg in step.targets]
-            expected = hit_paths(written_bytes(step.op, ts, step.i), protected)
-            OPS[step.op][0](ts, step.i)
-            got = events[before:]
-            got_paths = {ev.path for ev in got}
-            # One event per entry hit; a foreach over aliasing targets may hit an entry twice.
-            max_count = len(expected) * (len(ts) if step.op == "foreach" else 1)
-            if got_paths != expected or not len(expected) <= len(got) <= max_count:
-                problems.append(
-                    f"step {k}: expected {sorted(expected)}, got "
-                    f"{[(ev.path, ev.op, ev.kind) for ev in got]}"
-                )
-            elif any(ev.kind != "write" for ev in got):
-                problems.append(f"step {k}: non-write kinds {[(ev.path, ev.op, ev.kind) for ev in got]}")
-        during = len(events)
-    extra = g.report.events[during:]
-    if extra:
-        problems.append(f"at guard exit: {[(ev.path, ev.op, ev.kind) for ev in extra]}")
-    return problems
+def render(prog: Program, verdicts: Optional[dict[int, str]] = None) -> str:
+    """The program as code; with the oracle's verdicts, each step followed by what it expects."""
+    u = prog.universe
+    tree = Tree(u, build_universe(u))
+    verdicts = verdicts or {}
+    lines = [*render_universe(u), "with kvguard.guard(d, name='d', ...) as g:"]
+    for k, step in enumerate(prog.steps):
+        lines.append("    " + render_step(k, step, tree))
+        if k in verdicts:
+            lines.append(f"        # {verdicts[k]}")
+    if len(prog.steps) in verdicts:
+        lines.append(f"# {verdicts[len(prog.steps)]}")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------
@@ -392,7 +1094,19 @@ views = st.one_of(
 @st.composite
 def universes(draw: Any) -> Universe:
     rs, cs = draw(st.integers(2, 4)), draw(st.integers(2, 6))
-    protected = draw(st.lists(st.sampled_from(list(CANDIDATES)), min_size=1, max_size=5, unique=True))
+    names = draw(st.lists(st.sampled_from(list(CANDIDATES)), min_size=1, max_size=6, unique=True))
+    n_protected = draw(st.integers(1, len(names)))
+    protected, late = names[:n_protected], names[n_protected:]
+    root = draw(st.sampled_from([*CONTAINERS, "tensor"]))
+    if root == "tensor" and (len(protected) > 1 or late):
+        root = "dict"
+    groups: list[str] = [] if root == "tensor" else draw(st.lists(st.sampled_from(CONTAINERS), max_size=2))
+    kinds = [root, *groups]
+    where = [draw(st.integers(0, len(groups))) for _ in protected]
+    mutable = [j for j, kind in enumerate(kinds) if kind in MUTABLE]
+    if not mutable:
+        late = []
+    where += [draw(st.sampled_from(mutable)) for _ in late]
     return Universe(
         n1=draw(st.integers(1, 6)),
         r2=draw(st.integers(1, 4)),
@@ -402,68 +1116,219 @@ def universes(draw: Any) -> Universe:
         rsplit=draw(st.integers(1, rs - 1)),
         csplit=draw(st.integers(1, cs - 1)),
         protected=tuple(protected),
+        late=tuple(late),
+        root=root,
+        groups=tuple(groups),
+        where=tuple(where) if root != "tensor" else (),
     )
 
 
+STEP_KINDS = ("op", "op", "op", "op", "thread", "numpy", "ctypes", "ctypes", "apply", "data", "swap", "set",
+              "share", "place", "place", "check", "check")
+
+
 @st.composite
-def steps(draw: Any, protected: tuple[str, ...]) -> Step:
-    # Half of the targets start from a protected entry, so that the interesting cases
-    # (siblings, aliases, sub-views of protected entries) come up often.
-    sources = st.one_of(st.sampled_from(protected), st.sampled_from(SOURCES))
+def steps(draw: Any, u: Universe) -> Step:
+    # Half of the targets start from a protected (or late) entry, so that the interesting
+    # cases (siblings, aliases, sub-views of protected entries) come up often.
+    own = (*u.protected, *u.late)
+    sources = st.one_of(st.sampled_from(own), st.sampled_from(SOURCES))
     targets = st.tuples(sources, st.lists(views, max_size=3).map(tuple))
-    op = draw(st.sampled_from(list(OPS)))
-    n = draw(st.integers(1, 3)) if op == "foreach" else 1
-    return Step(tuple(draw(targets) for _ in range(n)), op, draw(st.integers(-2, 3)))
+    kind = draw(st.sampled_from(STEP_KINDS))
+    if kind == "place" and not u.late:
+        kind = "check"
+    if kind == "op":
+        op = draw(st.sampled_from(list(OPS)))
+        n = draw(st.integers(1, 3)) if op == "foreach" else 1
+        return Step("op", tuple(draw(targets) for _ in range(n)), op, draw(st.integers(-2, 3)))
+    if kind == "thread":
+        op = draw(st.sampled_from(VALUE_OPS))
+        n = draw(st.integers(1, 3)) if op == "foreach" else 1
+        return Step("thread", tuple(draw(targets) for _ in range(n)), op, draw(st.integers(-2, 3)))
+    if kind == "numpy":
+        return Step("numpy", (draw(targets),), i=draw(st.integers(-2, 3)), v=draw(st.sampled_from([0, 7])))
+    if kind == "apply":
+        return Step("apply", (draw(targets),))
+    if kind == "ctypes":
+        return Step("ctypes", (draw(targets),), op=draw(st.sampled_from(["memset0", "memset7f", "memmove"])),
+                    i=draw(st.integers(0, 30)), v=draw(st.integers(0, 7)), n=draw(st.integers(1, 12)))
+    if kind in ("data", "swap", "set"):
+        partner = draw(st.sampled_from(["same", "flip", "same", "flip", *SOURCES]))
+        return Step(kind, name=draw(sources), partner=partner)
+    if kind == "share":
+        return Step("share", name=draw(sources))
+    if kind == "place":
+        return Step("place", name=draw(st.sampled_from(u.late)))
+    return Step("check")
 
 
 @st.composite
 def programs(draw: Any) -> Program:
     u = draw(universes())
-    return Program(u, tuple(draw(st.lists(steps(u.protected), min_size=1, max_size=8))))
+    drawn = draw(st.lists(steps(u), min_size=1, max_size=10))
+    # Most late names are placed early, so that later steps act on them while protected
+    for name in u.late:
+        if draw(st.booleans()):
+            drawn.insert(draw(st.integers(0, len(drawn) // 2)), Step("place", name=name))
+    return Program(u, tuple(drawn))
 
 
 # Hand-made programs that always run (explicit examples): the sibling and alias cases of
-# /work/shared/notes/torch-mutation-channels.md §4-5, and the bugs this test has found.
-def _u(*protected: str) -> Universe:
-    return Universe(n1=4, r2=3, c2=4, rs=4, cs=4, rsplit=2, csplit=2, protected=protected)
+# /work/shared/notes/torch-mutation-channels.md §4-5, every channel of the README's table,
+# and the bugs this test has found.
+def _u(*protected: str, late: tuple[str, ...] = (), root: str = "dict", groups: tuple[str, ...] = (),
+       where: tuple[int, ...] = ()) -> Universe:
+    return Universe(n1=4, r2=3, c2=4, rs=4, cs=4, rsplit=2, csplit=2, protected=protected, late=late, root=root,
+                    groups=groups, where=where)
+
+
+def _t(src: str, *chain: tuple[Any, ...]) -> tuple[Target]:
+    return ((src, tuple(chain)),)
 
 
 HAND_MADE = [
     # sibling row chunk: not reported
-    Program(_u("Sr1"), (Step((("Sr0", ()),), "mul_"),)),
+    Program(_u("Sr1"), (op_step(_t("Sr0"), "mul_"),)),
     # column chunk sibling, interleaved with Sc1 in memory: not reported
-    Program(_u("Sc1"), (Step((("Sc0", ()),), "zero_"),)),
+    Program(_u("Sc1"), (op_step(_t("Sc0"), "zero_"),)),
     # interleaved strided halves: the odd half is protected, the even one is written
-    Program(_u("So"), (Step((("Se", ()),), "fill_"),)),
-    # numpy alias of a protected tensor: reported
-    Program(_u("P1"), (Step((("P1", (("np",),)),), "mul_"),)),
+    Program(_u("So"), (op_step(_t("Se"), "fill_"),)),
+    # numpy alias of a protected tensor, written by a torch op: reported at the op
+    Program(_u("P1"), (op_step(_t("P1", ("np",)), "mul_"),)),
     # k = d['Sr1'][0]; k[-1] += 1 is reported once; the same on the sibling chunk is not
-    Program(_u("Sr1"), (Step((("Sr1", (("select", 0, 0),)),), "aug", -1), Step((("Sr0", ()),), "aug", -1))),
+    Program(_u("Sr1"), (op_step(_t("Sr1", ("select", 0, 0)), "aug", -1), op_step(_t("Sr0"), "aug", -1))),
     # a parent write hits both protected chunks; an out-of-place op hits nothing
-    Program(_u("Sr1", "Sc1", "P1"), (Step((("S", ()),), "add_"), Step((("P1", ()),), "oop_mul"))),
+    Program(_u("Sr1", "Sc1", "P1"), (op_step(_t("S"), "add_"), op_step(_t("P1"), "oop_mul"))),
     # Sn is another storage object over S's last row: a write through S hits it
-    Program(_u("Sn"), (Step((("S", (("select", 0, -1),)),), "zero_"),)),
+    Program(_u("Sn"), (op_step(_t("S", ("select", 0, -1)), "zero_"),)),
     # writing C's real parts leaves its imaginary parts alone
-    Program(_u("Ci"), (Step((("C", (("real",),)),), "mul_"), Step((("C", (("imag",),)),), "mul_"))),
+    Program(_u("Ci"), (op_step(_t("C", ("real",)), "mul_"), op_step(_t("C", ("imag",)), "mul_"))),
     # an empty entry has no element, so no write can touch it
-    Program(_u("E"), (Step((("E", ()),), "mul_"),)),
+    Program(_u("E"), (op_step(_t("E"), "mul_"),)),
     # copying a complex tensor's conjugate onto itself changes it: not a droppable self-copy
-    Program(_u("C"), (Step((("C", ()),), "copy_conj"),)),
+    Program(_u("C"), (op_step(_t("C"), "copy_conj"),)),
+    # a numpy-view write: found at g.check(), once; a sibling's is not
+    Program(_u("Sr1"), (Step("numpy", _t("Sr1"), i=0, v=7), Step("check"), Step("numpy", _t("Sr0"), i=0, v=7))),
+    # raw bytes: into an even column, no change to the odd ones; one byte into an odd one, a change
+    Program(_u("So"), (Step("ctypes", _t("S"), op="memset7f", i=0, v=0, n=4),
+                       Step("ctypes", _t("S"), op="memmove", i=1, v=2, n=1))),
+    # another thread's in-place op: found at the boundary, not at the op
+    Program(_u("P2", root="ns"), (Step("thread", _t("P2", ("select", 0, 0)), "add_"),)),
+    # k.data = a copy with equal values: no change; with one bit flipped: a change
+    Program(_u("P1", "Sc0"), (Step("data", name="P1", partner="same"), Step("data", name="Sc0", partner="flip"))),
+    # after a boundary, a write to the new memory is caught at the op (memory follows)
+    Program(_u("P1"), (Step("data", name="P1", partner="U1"), Step("check"), op_step(_t("U1"), "mul_"))),
+    # share_memory_() keeps the values; a write after a boundary is caught in the new memory
+    Program(_u("P2", "Ci", root="dc"), (Step("share", name="C"), Step("check"), op_step(_t("C", ("imag",)), "add_"))),
+    # swap_tensors: a repoint at the op (full level); the changed values at the boundary (light)
+    Program(_u("P1", "P2", root="nt"), (Step("swap", name="P1", partner="flip"),
+                                        Step("swap", name="P2", partner="same"))),
+    # set_ and the metadata ops: at the op, by identity only
+    Program(_u("P2", "Sr0"), (op_step(_t("P2"), "t_"), Step("set", name="Sr0", partner="flip"),
+                              op_step(_t("Sr0", ("data",)), "unsqueeze_"))),
+    # containers: a dataclass and a list in an OrderedDict; placements into both inside the guard
+    Program(_u("P1", "Sr0", late=("Sr1", "Sc1"), root="odict", groups=("dc", "list"), where=(1, 2, 1, 2)),
+            (Step("place", name="Sr1"), op_step(_t("Sr1"), "add_"), Step("place", name="Sc1"),
+             Step("numpy", _t("Sc1"), i=1, v=7), Step("check"), Step("numpy", _t("Sc1"), i=1, v=0))),
+    # a placed tensor written before the guard's next look is not reported at light level
+    Program(_u("P1", late=("P2",), root="ns"), (Step("place", name="P2"), op_step(_t("P2"), "add_"),
+                                                Step("check"), op_step(_t("P2"), "add_"))),
+    # the guarded object is the tensor itself
+    Program(_u("S", root="tensor"), (Step("ctypes", _t("Su"), op="memset0", n=3), Step("check"),
+                                     op_step(_t("Sr1"), "add_"))),
 ]
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prog=programs())
-def test_reports_exactly_the_writes_to_protected_memory(prog: Program) -> None:
-    prog = resolve(prog)
-    problems = run_guarded(prog)
-    assert not problems, "kvguard disagrees with the byte oracle\n" + render(prog) + "\n" + "\n".join(problems)
+def test_reports_exactly_the_changes_to_protected_memory(prog: Program) -> None:
+    problems = check_program(prog)
+    assert not problems, "kvguard disagrees with the oracle\n" + "\n".join(problems)
 
 
 for _prog in HAND_MADE:
-    test_reports_exactly_the_writes_to_protected_memory = example(prog=_prog)(
-        test_reports_exactly_the_writes_to_protected_memory
+    test_reports_exactly_the_changes_to_protected_memory = example(prog=_prog)(
+        test_reports_exactly_the_changes_to_protected_memory
     )
+
+
+def test_hand_made_programs_run_as_written() -> None:
+    for prog in HAND_MADE:
+        for level, action in VARIANTS:
+            assert resolve(prog, level, action, known_bugs=False) == prog, render(prog)
+
+
+# ---------------------------------------------------------------------------------------
+# Known kvguard bugs, each minimised from a generated program and run through the same
+# oracle with the dry run's filter off. Strict: each fails until kvguard is fixed.
+
+
+def _check_known_bug(prog: Program, variants: tuple[tuple[str, str], ...]) -> None:
+    problems = []
+    for level, action in variants:
+        resolved = resolve(prog, level, action, known_bugs=True)
+        assert resolved == prog, "the program must run as written"
+        runner = Runner(prog, level, action, guarded=True, known_bugs=True)
+        found = runner.run()
+        problems += [f"level={level}, action={action}: {p}" for p in found]
+    assert not problems, render(prog, runner.verdicts) + "\n" + "\n".join(problems)
+
+
+@pytest.mark.xfail(strict=True, reason=KNOWN_BUGS["stale-memory"])
+@pytest.mark.parametrize("move", ["share", "data"])
+def test_known_bug_writes_to_moved_memory_are_missed_at_the_op(move: str) -> None:
+    # P1.share_memory_(); P1[1:].add_(1)   -- or --   P1.data = U1; U1.mul_(2)
+    steps = ((Step("share", name="P1"), op_step(_t("P1", ("slice", 0, 1, 5, 1)), "add_")) if move == "share"
+             else (Step("data", name="P1", partner="U1"), op_step(_t("U1"), "mul_")))
+    _check_known_bug(Program(_u("P1"), steps), (("full", "record"), ("full", "raise")))
+
+
+@pytest.mark.xfail(strict=True, reason=KNOWN_BUGS["absorbed"])
+@pytest.mark.parametrize("unseen", ["numpy", "thread", "data"])
+def test_known_bug_an_op_event_hides_other_changes_until_the_boundary(unseen: str) -> None:
+    # P1.numpy()[0] = 7; P1[1:].add_(1): only the add_ is reported; P1[0] changed unreported
+    first = {"numpy": Step("numpy", _t("P1"), i=0, v=7),
+             "thread": Step("thread", _t("P1", ("slice", 0, 0, 1, 1)), "mul_"),
+             "data": Step("data", name="P1", partner="flip")}[unseen]
+    prog = Program(_u("P1"), (first, op_step(_t("P1", ("slice", 0, 1, 5, 1)), "add_")))
+    _check_known_bug(prog, (("full", "record"),))
+
+
+@pytest.mark.xfail(strict=True, reason=KNOWN_BUGS["layout-digest"])
+@pytest.mark.parametrize("how", ["data-full", "data-light", "t_-light"])
+def test_known_bug_equal_values_in_another_layout_are_reported_as_a_change(how: str) -> None:
+    # The C digest hashes a contiguous run in 4 lanes of 8-byte words and a strided dim
+    # element by element in 2 lanes, so equal values laid out differently digest differently
+    # (the torch fallback, by element position, agrees with itself).
+    change, level = how.split("-")
+    if change == "data":
+        k = torch.arange(4.0)
+        x = torch.zeros(4, 2)
+        x[:, 0] = k
+        new = x[:, 0]  # the same four values, every other float of x
+    else:
+        k = torch.full((3, 3), 2.0)  # symmetric: k.t() has the same values
+    with kvguard.guard({"k": k}, name="d", action="record", level=level) as g:
+        if change == "data":
+            k.data = new
+        else:
+            k.t_()
+    assert g.report.events == [], [(e.path, e.kind, e.diff) for e in g.report.events]
+
+
+@pytest.mark.xfail(strict=True, reason="a torch.utils.swap_tensors that raises (nothing swapped) is still "
+                                       "reported as a repoint at the full level")
+def test_known_bug_a_failed_swap_is_reported_as_a_repoint() -> None:
+    import weakref
+
+    k = torch.arange(4.0)
+    other = torch.zeros(4)
+    ref = weakref.ref(other)  # swap_tensors refuses a tensor with a weak reference
+    with kvguard.guard({"k": k}, name="d", action="record") as g:
+        with pytest.raises(RuntimeError, match="weakref"):
+            torch.utils.swap_tensors(k, other)
+    assert ref() is other and torch.equal(k, torch.arange(4.0))
+    assert g.report.events == [], [(e.path, e.kind, e.op) for e in g.report.events]
 
 
 # ---------------------------------------------------------------------------------------
@@ -509,6 +1374,7 @@ def test_oracle_aug_assign_on_last_element_overlaps() -> None:
     assert select_byte_set(k, -1) == byte_set(k[-1]) and len(select_byte_set(k, -1)) == 4
     assert hit_paths(written_bytes("aug", [rows[0]], -1), protected) == set()
     assert hit_paths(written_bytes("oop_mul", [k], 0), protected) == set()
+    assert written_bytes("t_", [k], 0) == frozenset()
 
 
 def test_oracle_empty_and_dtype_views() -> None:
@@ -518,16 +1384,6 @@ def test_oracle_empty_and_dtype_views() -> None:
     assert len(byte_set(k.view(torch.uint8)[1::4])) == 6
 
 
-def test_resolve_drops_only_invalid_parts() -> None:
-    u = Universe(3, 2, 2, 2, 2, 1, 1, ("P1",))
-    prog = Program(u, (
-        Step((("P1", (("T",), ("select", 1, 0))),), "mul_"),  # select(1) on 1-D is invalid
-        Step((("P1", (("select", 0, 0),)),), "aug", 0),  # t[0] on a 0-d tensor is invalid
-    ))
-    r = resolve(prog)
-    assert r.steps == (Step((("P1", (("T",),)),), "mul_"),)
-
-
 def test_oracle_complex_halves_and_conj_copy() -> None:
     c = torch.complex(torch.ones(2, 3), torch.ones(2, 3))
     imag = torch.view_as_real(c)[..., 1]
@@ -535,3 +1391,57 @@ def test_oracle_complex_halves_and_conj_copy() -> None:
     assert byte_set(c.real) | byte_set(imag) == byte_set(c)
     assert written_bytes("copy_conj", [c], 0) == byte_set(c)
     assert written_bytes("copy_conj", [c.real], 0) == frozenset()  # a real self-copy
+
+
+def test_oracle_values_are_logical_bytes() -> None:
+    big = torch.arange(12.0).reshape(3, 4)
+    assert values_of(big[:, 1]) == values_of(big[:, 1].clone())  # layout does not matter
+    assert values_of(big[:, 1]) != values_of(big[:, 2])
+    assert values_of(big[0]) != values_of(big[0].reshape(2, 2))  # shape does
+    ctypes.memset(big[1, 1].data_ptr() + 3, 0x7F, 1)  # the sign-and-exponent byte of one element
+    assert values_of(big[:, 1]) != values_of(big[:, 1].clone().fill_(0)) and big[1, 1].item() != 5.0
+    r = replica(big[:, 1:3], flip=False)
+    assert values_of(r) == values_of(big[:, 1:3]) and r.stride() == big[:, 1:3].stride()
+    assert values_of(replica(big[:, 1:3], flip=True)) != values_of(big[:, 1:3])
+
+
+def test_oracle_ctypes_span_stays_in_the_storage() -> None:
+    big = torch.arange(6.0)
+    tail = big[4:]
+    addr, end = _ctypes_span(tail, 1, 2, 12)  # from byte 2 of tail[1] on: clipped at big's end
+    assert addr == tail[1].data_ptr() + 2 and end == big.data_ptr() + 24
+    with pytest.raises(Skip):
+        _ctypes_span(big[3:3], 0, 0, 1)
+
+
+def test_oracle_containers_name_paths_as_kvguard_prints_them() -> None:
+    u = _u("P1", "Sr0", "S0", late=("Sr1", "Sc1"), root="odict", groups=("dc", "list"), where=(0, 1, 2, 1, 2))
+    env = build_universe(u)
+    tree = Tree(u, env)
+    assert tree.paths == {"P1": "d['P1']", "Sr0": "d['g1'].Sr0", "S0": "d['g2'][0]"}
+    tree.place("Sc1", env["Sc1"])
+    tree.place("Sr1", env["Sr1"])
+    assert tree.paths["Sc1"] == "d['g2'][1]" and tree.paths["Sr1"] == "d['g1'].Sr1"
+    assert tree.root["g1"].Sr1 is env["Sr1"] and tree.root["g2"][1] is env["Sc1"]
+    with pytest.raises(Skip):
+        tree.place("Sr1", env["Sr1"])
+    nt = Tree(_u("P1", "P2", root="nt", groups=("tuple",), where=(1, 0)), env)
+    assert nt.paths == {"P1": "d.g1[0]", "P2": "d.P2"}
+
+
+def test_resolve_drops_only_invalid_parts() -> None:
+    u = Universe(3, 2, 2, 2, 2, 1, 1, ("P1", "Sn"))
+    prog = Program(u, (
+        op_step((("P1", (("T",), ("select", 1, 0))),), "mul_"),  # select(1) on 1-D is invalid
+        op_step((("P1", (("select", 0, 0),)),), "aug", 0),  # t[0] on a 0-d tensor is invalid
+        Step("share", name="Sr0"),  # S's storage, which Sn's numpy array points into
+    ))
+    for level, action in VARIANTS:
+        assert resolve(prog, level, action).steps == (op_step((("P1", (("T",),)),), "mul_"),)
+
+
+def test_resolve_drops_steps_that_show_a_known_bug() -> None:
+    prog = Program(_u("P1"), (Step("numpy", _t("P1"), i=0, v=7), op_step(_t("P1", ("slice", 0, 1, 5, 1)), "add_")))
+    assert resolve(prog, "full", "record", known_bugs=False).steps == prog.steps[:1]
+    assert resolve(prog, "full", "raise", known_bugs=False).steps == prog.steps  # blocked: nothing absorbed
+    assert resolve(prog, "full", "record", known_bugs=True).steps == prog.steps

@@ -1,0 +1,366 @@
+"""Presets: `KVGUARD_TARGETS=slime` names the functions of an RL framework worth guarding.
+
+An entry of `KVGUARD_TARGETS` without a colon is a preset name (any case; `_` or `-`).
+Each preset was found by reading the framework's source at the commit it names; nothing
+of that code is copied here, only where the functions are and which argument holds the
+rollout data. Stdlib only: `_config` imports this at start-up when a preset is named.
+
+slime (https://github.com/THUDM/slime, commit 624b824a898ab0ec1fcb4d373004c7f3852bf515,
+2026-08-21; release v0.3.1 is commit a6272da0d4f3d0a08520c99a2f3b4f6c887960dc):
+    slime/backends/megatron_utils/loss.py  compute_advantages_and_returns(args, rollout_data)
+    slime/observability/train_metric_utils.py  log_rollout_data(rollout_id, args, rollout_data),
+        in slime/backends/megatron_utils/data.py up to v0.3.1
+    v0.3.1's PPO branch scales the stored KL in place (`k *= kl_coef`), fixed by commit
+    045310b2b490dc6ca22ddbc60cf29b21fc3b42aa ("preserve raw KL so rollout/kl logging is correct").
+
+verl (https://github.com/volcengine/verl, commit b178a3cd56f58b2d502255daba591e92833930a7,
+2026-01-29; the same signatures in the verl 0.9.1 wheel and at tag v0.7.0):
+    verl/trainer/ppo/ray_trainer.py  apply_kl_penalty(data, kl_ctrl, kl_penalty)
+    verl/trainer/ppo/rollout_corr_helper.py  compute_rollout_correction_and_add_to_batch(batch, ...)
+        (since v0.7.0)
+    verl/trainer/ppo/ray_trainer.py  compute_advantage(data, adv_estimator, ...)
+
+OpenRLHF (https://github.com/OpenRLHF/OpenRLHF, commit 3c3be6234e0cb353e76bb8019947db9dfe99fca7,
+tag v0.11.0; the same signatures in the openrlhf 0.11.2 wheel):
+    openrlhf/trainer/ppo_utils/experience_maker.py
+        RemoteExperienceMaker.compute_advantages_and_returns(self, experiences)
+    openrlhf/trainer/ppo_trainer.py  BasePPOTrainer._compute_rollout_stats(self, experiences)
+        (since v0.10.0)
+
+NeMo-RL (https://github.com/NVIDIA-NeMo/RL, commit 7ea279abfbeb698b092856d0dab61e7cf39bc909,
+2026-08-22): nemo_rl/algorithms/advantage_estimator.py
+    GRPOAdvantageEstimator / ReinforcePlusPlusAdvantageEstimator (both since v0.6.0) /
+    GeneralizedAdvantageEstimator (since v0.7.0) .compute_advantage(self, prompt_ids, rewards, mask, ...)
+
+Version drift is expected: a preset function missing from the installed version (a module
+that does not exist, a function or method that is gone, an argument renamed) is one
+`kvguard:` line at exit, never an error (`diagnostics`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import TYPE_CHECKING, Any, Iterable, Optional
+
+from kvguard._config import Target
+from kvguard._errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvguard._state import State
+
+
+@dataclasses.dataclass(frozen=True)
+class Function:
+    """One function a preset guards, where the preset's commit has it."""
+
+    target: str  # module:qualname(argname) at the preset's commit
+    file: str  # its file in the repository at that commit
+    why: str  # what an in-place write there would corrupt
+    since: str = ""  # the first release that has it, when the framework is older than that
+    also: tuple[tuple[str, str], ...] = ()  # (target, where) of the same function in older releases
+    allow: str = ""  # KVGUARD_ALLOW value for writes the framework makes on purpose
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A framework's functions worth guarding, read from its source at `commit`."""
+
+    name: str  # what KVGUARD_TARGETS says
+    framework: str  # how messages name the framework
+    package: str  # its top-level import name
+    distribution: str  # its pip name, for the version in messages
+    repo: str
+    commit: str
+    date: str
+    argument: str  # what the guarded argument holds
+    functions: tuple[Function, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PresetTarget(Target):
+    """A target that came from a preset: missing in the installed version is one line at exit."""
+
+    preset: str = ""
+    slot: str = ""  # the preset function's target at the preset's commit; older locations share it
+
+
+SLIME_COMMIT = "624b824a898ab0ec1fcb4d373004c7f3852bf515"
+VERL_COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
+OPENRLHF_COMMIT = "3c3be6234e0cb353e76bb8019947db9dfe99fca7"
+NEMO_RL_COMMIT = "7ea279abfbeb698b092856d0dab61e7cf39bc909"
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (
+    Preset(
+        "slime", "slime", "slime", "slime", "THUDM/slime", SLIME_COMMIT, "2026-08-21",
+        "rollout_data: a dict of per-sample lists (log_probs, ref_log_probs, values, loss_masks, rewards, ...)",
+        (
+            Function(
+                "slime.backends.megatron_utils.loss:compute_advantages_and_returns(rollout_data)",
+                "slime/backends/megatron_utils/loss.py",
+                "places the per-sample KL list rollout_data['kl'] (logged as rollout/kl) and reads "
+                "log_probs, ref_log_probs, values and loss_masks, which the training step reuses; "
+                "v0.3.1's PPO branch scaled the stored KL in place (k *= kl_coef), silently "
+                "rewriting the logged KL (fixed by commit 045310b2b490)"),
+            Function(
+                "slime.observability.train_metric_utils:log_rollout_data(rollout_data)",
+                "slime/observability/train_metric_utils.py",
+                "summarises every per-sample list for logging after the advantages are computed "
+                "and before train_actor trains on the same tensors: a write while logging changes "
+                "what is trained on",
+                also=(("slime.backends.megatron_utils.data:log_rollout_data(rollout_data)",
+                       "v0.3.1 (a6272da0d4f3) and earlier"),)),
+        )),
+    Preset(
+        "verl", "verl", "verl", "verl", "volcengine/verl", VERL_COMMIT, "2026-01-29",
+        "data / batch: a DataProto whose .batch is a TensorDict (old_log_probs, ref_log_prob, "
+        "token_level_scores, values, response_mask, ...)",
+        (
+            Function(
+                "verl.trainer.ppo.ray_trainer:apply_kl_penalty(data)",
+                "verl/trainer/ppo/ray_trainer.py",
+                "reads old_log_probs and ref_log_prob to turn token_level_scores into "
+                "token_level_rewards; old_log_probs is the denominator of the actor's PPO ratio "
+                "later, and the scores are logged (critic/score/*)"),
+            Function(
+                "verl.trainer.ppo.rollout_corr_helper:compute_rollout_correction_and_add_to_batch(batch)",
+                "verl/trainer/ppo/rollout_corr_helper.py",
+                "derives importance weights and a rejection mask from old_log_probs, "
+                "rollout_log_probs and response_mask and places a new response_mask; writing "
+                "the old mask or the log-probs in place changes the actor's loss inputs",
+                since="v0.7.0"),
+            Function(
+                "verl.trainer.ppo.ray_trainer:compute_advantage(data)",
+                "verl/trainer/ppo/ray_trainer.py",
+                "runs the advantage estimator (a registered custom one included) on "
+                "token_level_rewards, values and response_mask and places advantages and returns; "
+                "values are reused by the critic update and the rewards are logged "
+                "(critic/rewards/*)"),
+        )),
+    Preset(
+        "openrlhf", "OpenRLHF", "openrlhf", "openrlhf", "OpenRLHF/OpenRLHF", OPENRLHF_COMMIT,
+        "v0.11.0",
+        "experiences: a list of Experience dataclasses (rewards, kl, values, action_mask, info, ...)",
+        (
+            Function(
+                "openrlhf.trainer.ppo_utils.experience_maker:RemoteExperienceMaker."
+                "compute_advantages_and_returns(experiences)",
+                "openrlhf/trainer/ppo_utils/experience_maker.py",
+                "shapes rewards with each Experience's kl and computes advantages and returns "
+                "from values and action_mask; the experiences then go to the actor and critic "
+                "replay buffers (values are the critic's old values) and info['reward'] is logged",
+                allow="experiences[*].rewards"),
+            Function(
+                "openrlhf.trainer.ppo_trainer:BasePPOTrainer._compute_rollout_stats(experiences)",
+                "openrlhf/trainer/ppo_trainer.py",
+                "logs reward, response length and truncation rate from the experiences right "
+                "before they are pushed to the actor and critic for training",
+                since="v0.10.0"),
+        )),
+    Preset(
+        "nemo-rl", "NeMo-RL", "nemo_rl", "nemo-rl", "NVIDIA-NeMo/RL", NEMO_RL_COMMIT, "2026-08-22",
+        "rewards: the per-sample reward tensor (repeated_batch['total_reward'])",
+        tuple(
+            Function(
+                f"nemo_rl.algorithms.advantage_estimator:{cls}.compute_advantage(rewards)",
+                "nemo_rl/algorithms/advantage_estimator.py",
+                f"{what}; grpo.py / ppo.py log the same rewards tensor afterwards as the step's "
+                "'reward' metric, so a write in the estimator changes the logged reward",
+                since=since)
+            for cls, what, since in (
+                ("GRPOAdvantageEstimator", "GRPO: baseline and std per prompt from rewards", "v0.6.0"),
+                ("ReinforcePlusPlusAdvantageEstimator", "REINFORCE++: rewards minus a baseline, "
+                 "KL in reward, global whitening", "v0.6.0"),
+                ("GeneralizedAdvantageEstimator", "PPO/GAE: token-level rewards from rewards, KL "
+                 "and the critic's values", "v0.7.0"),
+            )
+        )),
+)}
+
+_OTHER_SPELLINGS = {"nemo_rl": "nemo-rl", "nemorl": "nemo-rl"}
+
+
+def preset_for(name: str) -> Optional[Preset]:
+    """The preset called `name` (any case; `nemo_rl` and `nemo-rl` alike), or None."""
+    key = name.strip().lower()
+    return PRESETS.get(_OTHER_SPELLINGS.get(key, key))
+
+
+def expand(name: str, source: str) -> tuple[PresetTarget, ...]:
+    """The targets of preset `name`, older locations included; a `ConfigError` naming `source` if unknown."""
+    preset = preset_for(name)
+    if preset is None:
+        raise ConfigError(
+            f"invalid target {name.strip()!r} in {source}; without a colon it names a preset, and no preset "
+            f"is called that (known presets: {', '.join(PRESETS)}); a function is module:qualname(argname), "
+            "e.g. myrl.loss:compute_advantages_and_returns(rollout_data)")
+    from kvguard._config import parse_targets
+
+    out = []
+    for function in preset.functions:
+        for spelled in (function.target, *(where for where, _ in function.also)):
+            (target,) = parse_targets(spelled, f"preset {preset.name}")
+            out.append(PresetTarget(target.module, target.qualname, target.argname, preset.name, function.target))
+    return tuple(out)
+
+
+def missing_reason(target: Target, module: Any = None) -> Optional[str]:
+    """Why a preset target's function is not in its imported module, or None.
+
+    None for a target that is not a preset's, for a module that is not imported, and when
+    the function is there with the named argument. Imports nothing.
+    """
+    if not isinstance(target, PresetTarget):
+        return None
+    try:
+        return _missing_reason(target, module if module is not None else sys.modules.get(target.module))
+    except Exception:  # noqa: BLE001 - called from an import hook: never raise
+        return None
+
+
+def _missing_reason(target: PresetTarget, module: Any) -> Optional[str]:
+    if module is None:
+        return None
+    owner = module
+    for part in target.qualname.split("."):
+        try:
+            owner = vars(owner)[part] if isinstance(owner, type) and part in vars(owner) else getattr(owner, part)
+        except Exception:  # noqa: BLE001 - an attribute that raises is as good as missing
+            return f"{target.module} has no {target.qualname}"
+    function = getattr(owner, "__func__", owner)  # a staticmethod / classmethod read from the class dict
+    try:
+        import inspect
+
+        parameters = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return None  # not introspectable: let the patch say what it says
+    if target.argname not in parameters:
+        name = target.qualname.rpartition(".")[2]
+        return f"{name}() has no parameter {target.argname!r} (it takes {', '.join(parameters) or 'none'})"
+    return None
+
+
+def is_preset(target: Target) -> bool:
+    return isinstance(target, PresetTarget)
+
+
+def diagnostics(targets: Iterable[Target], state: "State") -> list[str]:
+    """The exit lines for the presets in `targets`: what they could not guard in this process.
+
+    Per preset: one line when its framework was never imported here; else one line per
+    function missing in the installed version; one line when the process imported none
+    of the modules it guards (they run in another process); one line when it guarded
+    functions but none of them was called. A function that is present, patched and
+    called gets the per-target lines every target gets (`_startup.diagnostics`).
+    """
+    slots: dict[str, dict[str, list[PresetTarget]]] = {}
+    for target in targets:
+        if isinstance(target, PresetTarget):
+            slots.setdefault(target.preset, {}).setdefault(target.slot, []).append(target)
+    lines = []
+    for name, by_slot in slots.items():
+        preset = PRESETS[name]
+        label = f"kvguard: preset {preset.name}"
+        if preset.package not in sys.modules:
+            lines.append(f"{label}: this process never imported {preset.package}, so none of its "
+                         f"{_count(len(by_slot), 'function')} was guarded here")
+            continue
+        patched: list[PresetTarget] = []
+        absent: list[str] = []  # modules that may hold a function, never imported here
+        guarded = {label.partition("(")[0] for label in state.patched}  # an explicit target's too
+        places = {f.target: [f.target, *(where for where, _ in f.also)] for f in preset.functions}
+        for slot, located in by_slot.items():
+            patched.extend(t for t in located if str(t) in state.patched)
+            if any(place.partition("(")[0] in guarded for place in places[slot]):
+                continue
+            reasons = [_drift(t) for t in located]
+            if all(reasons):
+                first, *others = zip(located, reasons)
+                lines.append(f"{label}: {first[0]} is not in {_version(preset)} ({first[1]})"
+                             + "".join(f", nor is {t} ({r})" for t, r in others) + "; not guarded")
+            else:
+                absent += [t.module for t, r in zip(located, reasons) if r is None and t.module not in sys.modules]
+        if absent and not patched:
+            lines.append(f"{label} guarded nothing here: this process imported {preset.package} but not "
+                         f"{', '.join(dict.fromkeys(absent))}, where its functions are (they run in another "
+                         "process?)")
+        stats = state.tally.targets
+        if patched and not any(_was_called(stats.get(str(t))) for t in patched):
+            names = list(dict.fromkeys(t.qualname for t in patched))
+            lines.append(f"{label}: its guarded function {names[0]} was never called" if len(names) == 1 else
+                         f"{label}: none of its {len(names)} guarded functions was called ({', '.join(names)})")
+    return lines
+
+
+def _drift(target: PresetTarget) -> Optional[str]:
+    """Why `target` is not in the installed version, or None when it may be (or is not imported)."""
+    if target.module in sys.modules:
+        return missing_reason(target)
+    import importlib.util
+
+    parts = target.module.split(".")
+    for i in range(1, len(parts) + 1):
+        name = ".".join(parts[:i])
+        if name in sys.modules:
+            continue
+        if ".".join(parts[:i - 1]) not in sys.modules:
+            return None  # its parent was never imported: cannot tell without importing it
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except Exception:  # noqa: BLE001 - e.g. the parent is a module, not a package
+            found = False
+        return None if found else f"no module named {name!r}"
+    return None
+
+
+def _version(preset: Preset) -> str:
+    """`verl 0.6.0` as the installed framework says it, else `this version of verl`."""
+    version = getattr(sys.modules.get(preset.package), "__version__", None)
+    if not isinstance(version, str):
+        try:
+            from importlib import metadata
+
+            version = metadata.version(preset.distribution)
+        except Exception:  # noqa: BLE001 - not installed as a distribution (a source checkout)
+            return f"this version of {preset.framework}"
+    return f"{preset.framework} {version}"
+
+
+def _was_called(stats: Any) -> bool:
+    if stats is None:
+        return False
+    return bool(stats.calls or stats.unguarded_calls or sum(stats.unguardable.values())
+                or sum(getattr(stats, "not_run", {}).values()))
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n != 1 else ''}"
+
+
+def describe(names: Iterable[str] = (), width: int = 100) -> str:
+    """What `python -m kvguard presets` prints: each preset, what it guards, the source and why."""
+    import textwrap
+
+    chosen = [preset_for(n) or _unknown(n) for n in names] or list(PRESETS.values())
+    blocks = []
+    for preset in chosen:
+        head = [f"{preset.name}: https://github.com/{preset.repo} at commit {preset.commit} ({preset.date})",
+                *textwrap.wrap(f"argument: {preset.argument}", width, initial_indent="  ",
+                               subsequent_indent="    ")]
+        for function in preset.functions:
+            head.append(f"  {function.target}")
+            rows = [("source", f"{function.file} @ {preset.commit[:12]}"
+                               + (f" (since {function.since})" if function.since else ""))]
+            rows += [("before", f"{where} in {when}") for where, when in function.also]
+            rows.append(("why", function.why))
+            if function.allow:
+                rows.append(("allow", f"writes the framework makes on purpose: KVGUARD_ALLOW={function.allow!r}"))
+            for key, text in rows:
+                head.extend(textwrap.wrap(text, width, initial_indent=f"    {key:<7}", subsequent_indent=" " * 11,
+                                          break_on_hyphens=False, break_long_words=False))
+        blocks.append("\n".join(head))
+    return "\n\n".join(blocks)
+
+
+def _unknown(name: str) -> Preset:
+    raise ConfigError(f"no preset is called {name.strip()!r}; known presets: {', '.join(PRESETS)}")

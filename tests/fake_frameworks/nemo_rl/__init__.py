@@ -1,0 +1,3 @@
+"""Replica of NVIDIA-NeMo/RL (7ea279abfbeb): module paths and signatures only."""
+
+__version__ = "0.7.0"
