@@ -8,8 +8,11 @@
  *   the storage. For the others, a 64-bit digest of the element
  *   bytes in logical (row-major) order: order-sensitive (swapping two different
  *   elements changes it), of raw bits (an untouched NaN is no change), for any dtype.
- *   Contiguous runs are hashed 8 bytes at a time in four independent lanes, so the
- *   loop runs at memory speed; no copy is made. The GIL is released while hashing.
+ *   The bytes are hashed as one stream in logical order, 32 at a time in four
+ *   independent lanes, so the loop runs at memory speed and the digest depends on the
+ *   values and the shape only, not on the memory layout (a transposed copy of equal
+ *   values has the same digest). No copy of the tensor is made; strided rows are
+ *   gathered through a 4 KB buffer. The GIL is released while hashing.
  *
  * Not cryptographic: it finds accidental writes, not crafted collisions. The caller
  * keeps the tensors alive for the duration of the call.
@@ -33,9 +36,14 @@ typedef struct {
     uint64_t result;
 } spec_t;
 
+/* A stream over the tensor's element bytes in logical order: 32-byte blocks go to four
+ * independent lanes; bytes short of a block wait in `pend` for the next run, so the
+ * result depends on the byte sequence only, never on where runs start in memory. */
 typedef struct {
     uint64_t lane[4];
     uint64_t count;
+    unsigned char pend[32];
+    size_t npend;
 } acc_t;
 
 static inline uint64_t mix(uint64_t h, uint64_t w)
@@ -44,11 +52,30 @@ static inline uint64_t mix(uint64_t h, uint64_t w)
     return h ^ (h >> 29);
 }
 
+static inline void block(acc_t *a, const unsigned char *p)
+{
+    uint64_t w[4];
+    memcpy(w, p, 32);
+    a->lane[0] = mix(a->lane[0], w[0]);
+    a->lane[1] = mix(a->lane[1], w[1]);
+    a->lane[2] = mix(a->lane[2], w[2]);
+    a->lane[3] = mix(a->lane[3], w[3]);
+}
+
 static void feed(acc_t *a, const unsigned char *p, size_t nbytes)
 {
-    size_t words = nbytes / 8, i = 0;
+    a->count += nbytes;
+    if (a->npend) { /* top up the pending block first */
+        size_t take = 32 - a->npend < nbytes ? 32 - a->npend : nbytes;
+        memcpy(a->pend + a->npend, p, take);
+        a->npend += take, p += take, nbytes -= take;
+        if (a->npend < 32)
+            return;
+        block(a, a->pend);
+        a->npend = 0;
+    }
     uint64_t h0 = a->lane[0], h1 = a->lane[1], h2 = a->lane[2], h3 = a->lane[3];
-    for (; i + 4 <= words; i += 4, p += 32) {
+    for (; nbytes >= 32; nbytes -= 32, p += 32) { /* the hot loop: registers only */
         uint64_t w0, w1, w2, w3;
         memcpy(&w0, p, 8);
         memcpy(&w1, p + 8, 8);
@@ -59,24 +86,24 @@ static void feed(acc_t *a, const unsigned char *p, size_t nbytes)
         h2 = mix(h2, w2);
         h3 = mix(h3, w3);
     }
-    for (; i < words; i++, p += 8) {
-        uint64_t w;
-        memcpy(&w, p, 8);
-        h0 = mix(h0, w);
-    }
-    size_t rest = nbytes % 8;
-    if (rest) {
-        uint64_t w = 0;
-        memcpy(&w, p, rest);
-        h1 = mix(h1, w ^ ((uint64_t)rest << 56));
-    }
     a->lane[0] = h0, a->lane[1] = h1, a->lane[2] = h2, a->lane[3] = h3;
-    a->count += nbytes;
+    memcpy(a->pend, p, nbytes);
+    a->npend = nbytes;
+}
+
+static uint64_t finish(acc_t *a)
+{
+    if (a->npend) {
+        memset(a->pend + a->npend, 0, 32 - a->npend);
+        block(a, a->pend);
+    }
+    return mix(mix(mix(mix(a->count, a->lane[0]), a->lane[1]), a->lane[2]), a->lane[3]);
 }
 
 static uint64_t digest_one(const spec_t *s)
 {
-    acc_t a = {{0x243F6A8885A308D3ULL, 0x13198A2E03707344ULL, 0xA4093822299F31D0ULL, 0x082EFA98EC4E6C89ULL}, 0};
+    acc_t a = {{0x243F6A8885A308D3ULL, 0x13198A2E03707344ULL, 0xA4093822299F31D0ULL, 0x082EFA98EC4E6C89ULL},
+               0, {0}, 0};
     Py_ssize_t numel = 1;
     for (int d = 0; d < s->ndim; d++)
         numel *= s->sizes[d];
@@ -91,28 +118,29 @@ static uint64_t digest_one(const spec_t *s)
         size_t run_bytes = (size_t)run * (size_t)s->itemsize;
         Py_ssize_t index[MAX_DIMS] = {0};
         Py_ssize_t runs = numel / run;
-        /* Runs of one small element (a strided last dim): walk that dim in a tight loop. */
-        int by_element = run == 1 && s->itemsize <= 8 && inner > 0;
+        /* Runs of one element (a strided last dim): gather that dim through a small buffer. */
+        int by_element = run == 1 && inner > 0;
         int outer = by_element ? inner - 1 : inner;
         Py_ssize_t steps = by_element ? s->sizes[inner - 1] : 1;
         Py_ssize_t step = by_element ? s->strides[inner - 1] * s->itemsize : 0;
+        unsigned char gathered[4096];
+        size_t per_batch = sizeof gathered / (size_t)s->itemsize;
         for (Py_ssize_t r = 0; r < runs; r += steps) {
             Py_ssize_t offset = 0;
             for (int d = 0; d < outer; d++)
                 offset += index[d] * s->strides[d];
             const unsigned char *p = s->data + offset * s->itemsize;
-            if (by_element) {
-                uint64_t h0 = a.lane[0], h1 = a.lane[1];
-                for (Py_ssize_t i = 0; i < steps; i++, p += step) {
-                    uint64_t w = 0;
-                    memcpy(&w, p, (size_t)s->itemsize);
-                    if (i & 1)
-                        h1 = mix(h1, w);
-                    else
-                        h0 = mix(h0, w);
+            if (by_element && per_batch > 0) {
+                for (Py_ssize_t i = 0; i < steps;) {
+                    size_t n = 0;
+                    for (; n < per_batch && i < steps; n++, i++, p += step)
+                        memcpy(gathered + n * (size_t)s->itemsize, p, (size_t)s->itemsize);
+                    feed(&a, gathered, n * (size_t)s->itemsize);
                 }
-                a.lane[0] = h0, a.lane[1] = h1;
-                a.count += (uint64_t)steps * (uint64_t)s->itemsize;
+            }
+            else if (by_element) { /* an element larger than the buffer */
+                for (Py_ssize_t i = 0; i < steps; i++, p += step)
+                    feed(&a, p, (size_t)s->itemsize);
             }
             else
                 feed(&a, p, run_bytes);
@@ -123,7 +151,7 @@ static uint64_t digest_one(const spec_t *s)
             }
         }
     }
-    uint64_t h = mix(mix(mix(mix(a.count, a.lane[0]), a.lane[1]), a.lane[2]), a.lane[3]);
+    uint64_t h = finish(&a);
     for (int d = 0; d < s->ndim; d++)
         h = mix(h, (uint64_t)s->sizes[d]);
     return h;

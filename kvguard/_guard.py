@@ -98,8 +98,13 @@ class Guard:
         else:  # no per-op hook at all; `swap_tensors` still needs our weak references aside
             from kvguard import _torch
 
-            self._unhook_swap = _torch.on_swap_tensors(lambda t1, t2: protected.release((t1, t2)))
+            self._unhook_swap = _torch.on_swap_tensors(self._step_aside)
         return self
+
+    def _step_aside(self, t1: Any, t2: Any) -> Callable[[bool], None]:
+        """Light level: let `swap_tensors` run (it refuses weak references); a boundary check reports it."""
+        restore = self._protected.release((t1, t2))
+        return lambda swapped: restore()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         from kvguard import _torch
@@ -109,8 +114,11 @@ class Guard:
         try:
             if self._mode is None:
                 self._unhook_swap()
-            elif not _torch.exit_dispatch_mode(self._mode, (exc_type, exc, tb)):
-                self._mode.unhook()  # on another thread's stack: inert once the set is closed
+            else:  # out of order, or on another thread's stack (then inert once the set is closed)
+                try:
+                    _torch.exit_dispatch_mode(self._mode, (exc_type, exc, tb))
+                finally:
+                    self._mode.unhook()
         finally:
             unobserved = self._exit_check()
             self.keys_seen = frozenset(self._protected.keys_seen)
@@ -130,9 +138,12 @@ class Guard:
             _frames.drop_internal_frames(exc)
         if exc_type is None and self.target is None and self.not_run is None:
             self._warn_if_blind()
+        # Let go of the errors raised in ops: their tracebacks hold the writing frames.
+        unread = next((error for error in self._raised if not error.seen), None)
+        self._raised = []
         if exc_type is not None or self.action != "raise":
             return False  # an exception already leaving the block is never masked
-        raised = next((error for error in self._raised if not error.seen), None)
+        raised = unread
         if raised is not None:
             # An `except RuntimeError:` around the write swallowed the error unread: the
             # write was skipped and the code went on as if it had happened.

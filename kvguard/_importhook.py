@@ -107,12 +107,12 @@ def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: An
     rebound = _rebind_aliases(function, getattr(owner, attr), skip=owner)
     STATE.patched.append(str(target))
     STATE.undo.append(lambda: _restore(owner, attr, original, rebound))
-    _tallies(label)  # listed in the summaries, called or not; writes the report header: guarding starts
+    _tallies(label)  # listed in the summaries, called or not
 
 
 def _tallies(label: str) -> list[TargetStats]:
     """The target's counts for the process and, when report files are written, for its directory."""
-    writer = open_writer()
+    writer = open_writer(start=False)
     return [STATE.target_stats(label)] + ([writer.tally.target(label)] if writer is not None else [])
 
 

@@ -32,7 +32,7 @@ class MutationGuardMode(TorchDispatchMode):
     are captured only for a protected write.
     """
 
-    def __init__(self, protected: ProtectedSet, on_event: Callable[[MutationEvent], None],
+    def __init__(self, protected: ProtectedSet, on_event: Callable[..., None],
                  block: bool) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.protected = protected
@@ -58,12 +58,12 @@ class MutationGuardMode(TorchDispatchMode):
         """Stop wrapping `swap_tensors` for this mode (also when it leaves the stack out of order)."""
         self._unhook_swap()
 
-    def _on_swap(self, t1: torch.Tensor, t2: torch.Tensor) -> Callable[[], None]:
-        """`torch.utils.swap_tensors` on a protected tensor: report it like `set_`."""
+    def _on_swap(self, t1: torch.Tensor, t2: torch.Tensor) -> Callable[[bool], None]:
+        """`torch.utils.swap_tensors` on a protected tensor: report it like `set_` (if it swapped)."""
         protected = self.protected
         hit = [e for e in (protected.entry_of(t1), protected.entry_of(t2)) if e is not None]
         if not hit:
-            return lambda: None
+            return lambda swapped: None
         site = _frames.user_site()
         before = {id(e): _describe(protected.tensor_of(e)) for e in hit}
         if self.block:
@@ -71,8 +71,10 @@ class MutationGuardMode(TorchDispatchMode):
                 self.on_event(self._event(_torch.SWAP_OP, "repoint", entry, site, blocked=True))
         restore = protected.release((t1, t2))
 
-        def after() -> None:
+        def after(swapped: bool) -> None:
             restore()
+            if not swapped:  # torch refused: nothing changed, nothing to report
+                return
             protected.explain(hit)
             for entry in hit:
                 self.on_event(self._event(_torch.SWAP_OP, "repoint", entry, site, blocked=False,
@@ -99,6 +101,8 @@ class MutationGuardMode(TorchDispatchMode):
             return func(*args, **kwargs)
 
         site = _frames.user_site()
+        for entry in protected.drifted(hit):  # changed since the last look, by nothing we saw:
+            self.on_event(self._drift_event(entry, site), True)  # too late to stop, so never raised
         if self.block:
             for entry in hit:
                 self.on_event(self._event(func, facts.kind, entry, site, blocked=True))
@@ -116,7 +120,8 @@ class MutationGuardMode(TorchDispatchMode):
         before_meta = {} if facts.kind == "write" else {
             id(e): _describe(protected.tensor_of(e)) for e in hit}
         out = func(*args, **kwargs)
-        protected.explain(hit)  # reported here, not again by the next boundary check
+        # Reported here, not again by the next boundary check; c10d writes land at `wait()`.
+        protected.explain(hit, settled=getattr(func, "namespace", "") != "c10d")
         for entry in hit:
             if facts.kind != "write":
                 protected.relayout(entry)
@@ -124,6 +129,18 @@ class MutationGuardMode(TorchDispatchMode):
                                 before_meta=before_meta.get(id(entry)), copy=copies.pop(id(entry), None))
             self.on_event(event)
         return out
+
+    def _drift_event(self, entry: Entry, site: _frames.Site) -> MutationEvent:
+        """A change no op reported, found just before a reported write would hide it."""
+        tensor = self.protected.tensor_of(entry)
+        return MutationEvent(
+            path=entry.path, op="(no dispatched op)", kind="unobserved", blocked=False,
+            filename=site.filename, lineno=site.lineno, code=site.code, function=site.function,
+            placed_at=entry.placed_at, tensor=_describe(tensor), before="(a digest)", after=_values(tensor),
+            diff="values changed before this line's write with no dispatched write: a numpy view, a raw "
+                 "pointer, another thread or a compiled kernel?",
+            aliases=tuple(entry.aliases), detached=entry.detached,
+        )
 
     def _event(self, func: Any, kind: str, entry: Entry, site: _frames.Site, blocked: bool,
                before_meta: Optional[str] = None, copy: Optional[_Copy] = None) -> MutationEvent:

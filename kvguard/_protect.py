@@ -169,16 +169,37 @@ class ProtectedSet:
         for entry, digest in zip(new, _digest.digests([e.ref() for e in new])):
             entry.digest = digest
 
-    def explain(self, entries: list[Entry]) -> None:
+    def explain(self, entries: list[Entry], settled: bool = True) -> None:
         """An op event reported a write to these entries: the next boundary check does not.
 
-        Marked rather than re-digested: cheaper, and right for writes that land after
-        the op returns (an asynchronous collective completes at `wait()`). The write may
-        have moved their memory (a sparse `add_` reallocates): follow it.
+        A `settled` write has landed when the op returns: the entries' digests move to
+        their values now, so a later change no op reports is still found. One that lands
+        later (an asynchronous collective completes at `wait()`) marks them instead, so
+        the next check does not count it. The write may also have moved their memory (a
+        sparse `add_` reallocates): follow it.
         """
-        for entry in entries:
-            entry.explained = True
         self._follow(entries)
+        if settled and self._fingerprint:
+            for entry, digest in zip(entries, _digest.digests([e.ref() for e in entries])):
+                entry.digest = digest
+        else:
+            for entry in entries:
+                entry.explained = True
+
+    def drifted(self, entries: list[Entry]) -> list[Entry]:
+        """Entries whose values changed since their digest with no op reporting it.
+
+        Checked just before a reported write, which would otherwise hide the change
+        from the next boundary check; the digests then start from the values now.
+        """
+        if not self._fingerprint:
+            return []
+        now = _digest.digests([e.ref() for e in entries])
+        agrees = _digest.same_all([e.digest for e in entries], now)
+        found = [e for e, same in zip(entries, agrees) if not same and not e.explained]
+        for entry, digest in zip(entries, now):
+            entry.digest, entry.explained = digest, False
+        return found
 
     def boundary_changes(self, frames: Optional[list[Any]]) -> list[Change]:
         """Entries whose values or memory changed with no op reporting it, each found once.

@@ -96,8 +96,13 @@ class ReportWriter:
             os.close(fd)
 
 
-def open_writer(report_dir: Optional[str | os.PathLike[str]] = None) -> Optional[ReportWriter]:
-    """A guard's started writer: `report_dir` if given, else `KVGUARD_REPORT_DIR`; None for no files."""
+def open_writer(report_dir: Optional[str | os.PathLike[str]] = None, start: bool = True) -> Optional[ReportWriter]:
+    """A guard's writer: `report_dir` if given, else `KVGUARD_REPORT_DIR`; None for no files.
+
+    `start` writes the header now, which fixes the file by the rank known now: a guard
+    entering starts it; a target patched at import only counts in it (in a torchrun or
+    Ray worker the rank is set after the imports).
+    """
     env_dir, cap = STATE.output()
     if report_dir is not None:
         writer = writer_for(os.fspath(report_dir), "report_dir", cap)
@@ -105,7 +110,9 @@ def open_writer(report_dir: Optional[str | os.PathLike[str]] = None) -> Optional
         writer = writer_for(env_dir, "KVGUARD_REPORT_DIR", cap)
     else:
         return None
-    return writer if writer is not None and writer.begin() else None
+    if writer is None or (start and not writer.begin()):
+        return None
+    return writer
 
 
 def writer_for(directory: str, source: str, cap: Optional[int] = None) -> Optional[ReportWriter]:
@@ -141,8 +148,11 @@ def finish_all() -> None:
 
             problems = [line.removeprefix("kvguard: ") for line in diagnostics(STATE)]
         for writer in STATE.writers.values():
-            if writer is not None and writer.started and writer in STATE.listeners:
+            # A writer whose targets were never called starts now: its file proves the run.
+            if writer is not None and writer in STATE.listeners and (writer.started or writer.tally.targets):
                 try:
+                    if not writer.started and not writer.begin():
+                        continue
                     writer.finish(problems)
                 except OSError as exc:
                     STATE.drop(writer, exc)

@@ -575,8 +575,8 @@ _SAVED_MODE_FLAGS = ("old_dispatch_mode_flags", "old_non_infra_dispatch_mode_fla
                      "old_without_ignore_compile_internals_dispatch_mode_flags")
 
 
-def exit_dispatch_mode(mode: Any, exc_info: tuple[Any, Any, Any]) -> bool:
-    """Leave `mode`, even when modes entered after it are still active; False if it is not here.
+def exit_dispatch_mode(mode: Any, exc_info: tuple[Any, Any, Any]) -> None:
+    """Leave `mode`, even when modes entered after it are still active.
 
     A guard held by a generator that is dropped while another guard is active exits
     while it is not innermost. Popping would remove someone else's mode, so the modes
@@ -588,9 +588,9 @@ def exit_dispatch_mode(mode: Any, exc_info: tuple[Any, Any, Any]) -> bool:
 
     if innermost_dispatch_mode() is mode:
         mode.__exit__(*exc_info)
-        return True
+        return
     if not any(m is mode for m in _get_current_dispatch_mode_stack()):
-        return False
+        return
     above = []
     while (top := torch._C._pop_torch_dispatch_stack(None)) is not mode:
         above.append(top)
@@ -603,7 +603,6 @@ def exit_dispatch_mode(mode: Any, exc_info: tuple[Any, Any, Any]) -> bool:
                 theirs[-1] = saved
     for top in reversed(above):
         torch._C._push_on_torch_dispatch_stack(top)
-    return True
 
 
 # ---------------------------------------------------------------------------------------
@@ -611,7 +610,7 @@ def exit_dispatch_mode(mode: Any, exc_info: tuple[Any, Any, Any]) -> bool:
 # (which the protected set holds). While a guard is active the function is wrapped so
 # the guard can report the swap and step its weak references aside.
 
-SwapListener = Callable[[torch.Tensor, torch.Tensor], Callable[[], None]]
+SwapListener = Callable[[torch.Tensor, torch.Tensor], Callable[[bool], None]]  # after(swapped)
 _swap_listeners: list[SwapListener] = []
 _swap_original: Optional[Callable[..., Any]] = None
 SWAP_OP = "torch.utils.swap_tensors"
@@ -636,12 +635,14 @@ def on_swap_tensors(listener: SwapListener) -> Callable[[], None]:
 
 
 def _swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
-    afters: list[Callable[[], None]] = []
+    afters: list[Callable[[bool], None]] = []
+    swapped = False
     try:
         for listener in list(_swap_listeners):
             afters.append(listener(t1, t2))
         assert _swap_original is not None
         _swap_original(t1, t2)
+        swapped = True
     finally:
         for after in reversed(afters):
-            after()
+            after(swapped)
