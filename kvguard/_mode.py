@@ -96,7 +96,7 @@ class MutationGuardMode(TorchDispatchMode):
             written = (args[0],)
         else:
             written = _torch.written_tensors(facts, args, kwargs)
-        hit = protected.written_entries(written, facts.kind)
+        hit = protected.written_entries(written, facts.kind, facts.resizes)
         if not hit or (func is _COPY and _is_self_copy(args)):
             return func(*args, **kwargs)
 

@@ -75,7 +75,7 @@ class ProtectedSet:
 
     # -- placement -------------------------------------------------------------------
 
-    def written_entries(self, written: Sequence[torch.Tensor], kind: str) -> list[Entry]:
+    def written_entries(self, written: Sequence[torch.Tensor], kind: str, resizes: bool = False) -> list[Entry]:
         """The entries any of `written` touches, after protecting newly placed tensors.
 
         Runs for every op that writes anything, protected or not, so it stays flat: the
@@ -105,9 +105,9 @@ class ProtectedSet:
                 return []
         found: list[Entry] = []
         for tensor in written:
-            found += [e for e in self.hits(tensor, kind) if e not in found]
+            found += [e for e in self.hits(tensor, kind, resizes) if e not in found]
         if found and self._follow(found):  # memory it no longer owns: look again
-            return self.written_entries(written, kind)
+            return self.written_entries(written, kind, resizes)
         return found
 
     def _follow(self, entries: list[Entry]) -> bool:
@@ -281,11 +281,12 @@ class ProtectedSet:
             running = max(running, stop)
             self._max_stop_upto.append(running)
 
-    def hits(self, written: torch.Tensor, kind: str = "write") -> list[Entry]:
+    def hits(self, written: torch.Tensor, kind: str = "write", resizes: bool = False) -> list[Entry]:
         """Protected entries a write to `written` touches.
 
         A value write touches an entry when they share at least one byte of element
-        memory (tensors without readable memory, such as meta tensors, by identity). A
+        memory (tensors without readable memory, such as meta tensors, by identity; an
+        empty tensor by identity when an `out=` op may resize it and fill it). A
         metadata or re-pointing op touches only the tensor object it changes: `t_` on a
         view leaves the base's shape alone.
         """
@@ -294,7 +295,7 @@ class ProtectedSet:
             return [entry] if entry is not None else []
         if self._by_identity:
             entry = self.entry_of(written)
-            if entry is not None and not entry.spans and written.numel() > 0:
+            if entry is not None and not entry.spans and (written.numel() > 0 or resizes):
                 return [entry]
         found: list[Entry] = []
         for span in _torch.spans(written):
@@ -318,9 +319,18 @@ class ProtectedSet:
         tensor = entry.ref()
         if tensor is None:
             return False
+        # Wrapper subclasses (DTensor, jagged) are compared through the tensors holding their data.
+        return any(ProtectedSet._parts_overlap(span, w, t)
+                   for w in _torch.plain_parts(written) for t in _torch.plain_parts(tensor))
+
+    @staticmethod
+    def _parts_overlap(span: _torch.Span, written: torch.Tensor, tensor: torch.Tensor) -> bool:
         if tensor.layout != torch.strided or written.layout != torch.strided:
             return True  # sparse parts: span overlap is as exact as it gets
-        if _torch.dense(span, written) and all(_torch.dense(s, tensor) for s in entry.spans):
+        written_spans, tensor_spans = _torch.spans(written), _torch.spans(tensor)
+        if not any(a.start < b.stop and b.start < a.stop for a in written_spans for b in tensor_spans):
+            return False
+        if all(_torch.dense(a, written) for a in written_spans) and all(_torch.dense(b, tensor) for b in tensor_spans):
             return True
         return _torch.elements_overlap(written, tensor)
 

@@ -80,6 +80,7 @@ class OpFacts(NamedTuple):
     written: tuple[WrittenArg, ...]
     kind: str  # "write", "metadata" (inplace_view) or "repoint" (set_, resize_)
     self_only: bool = False  # writes exactly its first positional `Tensor` argument
+    resizes: bool = False  # an `out=` op: it may resize (and so write) an empty argument
 
 
 NO_WRITES = OpFacts((), "write")
@@ -127,7 +128,7 @@ def _learn(func: Any) -> OpFacts:
         kind = "write"
     self_only = (len(written) == 1 and written[0].position == 0 and not written[0].kwarg_only
                  and str(schema.arguments[0].type) == "Tensor")
-    return OpFacts(written, kind, self_only)
+    return OpFacts(written, kind, self_only, any(a.kwarg_only for a in written))
 
 
 def written_tensors(facts: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -196,14 +197,36 @@ class Span(NamedTuple):
 _STRIDED = torch.strided
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def plain_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold a wrapper subclass's data, or `[t]`.
+
+    A DTensor's local shard, a jagged nested tensor's values and offsets: the memory a
+    write through `w.to_local()` or `njt.values()` really touches.
+    """
+    if type(t) in _PLAIN or not hasattr(type(t), "__tensor_flatten__"):
+        return [t]
+    try:
+        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+        return [p for name in names for p in plain_parts(getattr(t, name))]
+    except Exception:  # noqa: BLE001 - an odd subclass: matched by identity
+        return [t]
+
+
 def spans(t: torch.Tensor) -> list[Span]:
-    """Byte spans of a tensor's elements; several for sparse tensors, none without memory.
+    """Byte spans of a tensor's elements; several for sparse tensors and wrapper subclasses.
 
     On the hot path (every write op), so it reads as little metadata as it can.
     Raises nothing: a tensor whose memory cannot be read (meta, functional wrappers,
     unusual subclasses) has no spans and is matched by identity instead.
     """
     try:
+        if type(t) not in _PLAIN:
+            parts = plain_parts(t)
+            if parts != [t]:
+                return [s for part in parts for s in spans(part)]
         if t.layout != _STRIDED:
             return [s for part in _sparse_parts(t) for s in spans(part)]
         start = t.data_ptr()

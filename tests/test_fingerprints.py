@@ -258,13 +258,73 @@ def mesh() -> Any:
         dist.destroy_process_group()
 
 
-def test_dtensor_local_shard_write_is_found(mesh: Any) -> None:
+def test_dtensor_local_shard_write_is_caught_at_the_op(mesh: Any) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     w = distribute_tensor(torch.ones(4), mesh, [Shard(0)])
     with kvguard.guard({"w": w}, name="rd", action="record") as g:
         w.to_local().mul_(2)
-    assert [(e.path, e.kind) for e in g.report.events][-1:] == [("rd['w']", "unobserved")]
+    assert [(e.path, e.kind, e.op) for e in g.report.events] == [("rd['w']", "write", "aten.mul_.Tensor")]
+    with kvguard.guard({"w": w}, name="rd", action="record", level="light") as g:
+        w.to_local().mul_(2)
+    assert [(e.path, e.kind) for e in g.report.events] == [("rd['w']", "unobserved")]
+
+
+def test_jagged_values_write_is_caught_at_the_op() -> None:
+    njt = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
+    with pytest.raises(kvguard.MutationError, match=r"rd\['nt'\] would be modified in place by aten.add_"):
+        with kvguard.guard({"nt": njt}, name="rd", action="raise"):
+            njt.values().add_(1)
+    assert torch.equal(njt.values(), torch.ones(5))
+
+
+TWO_RANKS = """
+import json, os, sys, torch, torch.distributed as dist, kvguard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+def main(rank, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    w = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+    with kvguard.guard({"w": w}, name="rd", action="record") as g:
+        w.to_local().mul_(2)
+    found = [(e.path, e.kind, e.op) for e in g.report.events]
+    w = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+    try:
+        with kvguard.guard({"w": w}, name="rd", action="raise"):
+            w.mul_(2)
+        blocked = None
+    except kvguard.MutationError as err:
+        blocked = [err.event.op, w.to_local().tolist()]
+    sys.stdout.write(json.dumps({"rank": rank, "found": found, "blocked": blocked}) + "\n")  # one write
+    sys.stdout.flush()
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    torch.multiprocessing.spawn(main, args=(int(sys.argv[1]),), nprocs=2)
+"""
+
+
+def test_dtensor_on_two_gloo_processes(tmp_path: Any) -> None:
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD")}
+    result = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True,
+                            timeout=180, env={**env, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    lines = sorted((json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")),
+                   key=lambda r: r["rank"])
+    assert [r["found"] for r in lines] == [[["rd['w']", "write", "aten.mul_.Tensor"]]] * 2
+    assert [r["blocked"] for r in lines] == [["aten.mul_.Tensor", [0.0, 1.0]], ["aten.mul_.Tensor", [2.0, 3.0]]]
 
 
 @pytest.mark.skipif(not os.environ.get("KVGUARD_REQUIRE_SPEEDUPS"), reason="only where a compiler is known")
@@ -280,3 +340,14 @@ def test_the_c_digest_refuses_bad_specs() -> None:
     with pytest.raises(TypeError):
         _digest._digest_c([("not a spec",)])
     assert _digest._digest_c([(0, 0, 0, 4, (3,), (1,))]) == [None]  # no storage behind it: never read
+
+
+def test_an_empty_entry_filled_by_an_out_op_is_caught_at_the_op() -> None:
+    buf = torch.empty(0)
+    with pytest.raises(kvguard.MutationError, match=r"rd\['buf'\] would be modified in place by aten.cumsum.out"):
+        with kvguard.guard({"buf": buf}, name="rd", action="raise"):
+            torch.cumsum(torch.ones(4), 0, out=buf)
+    assert buf.numel() == 0
+    with kvguard.guard({"buf": buf}, name="rd", action="record") as g:
+        buf.add_(1)  # an in-place op on an empty tensor writes nothing
+    assert g.report.ok
