@@ -17,6 +17,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from kvguard import _torch
+
 _digest_c: Optional[Callable[[list[tuple[Any, ...]]], list[Optional[int]]]]
 try:
     from kvguard._digest_c import digest as _digest_c
@@ -98,24 +100,21 @@ def same(a: Digest, b: Digest) -> bool:
 
 
 def _parts(t: torch.Tensor) -> Optional[list[torch.Tensor]]:
-    """The plain strided tensors holding `t`'s values (a subclass's local data, sparse parts)."""
+    """The plain strided tensors holding `t`'s values (a subclass's inner data, sparse parts)."""
     try:
-        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
-            names, _ = t.__tensor_flatten__()
-            inner = [getattr(t, name) for name in names]
-            return [p for x in inner for p in (_parts(x) or [])] or None
-        if t.is_nested:
-            return [t.values()] if t.layout == torch.jagged else None
-        layout = t.layout
-        if layout == torch.sparse_coo:
-            return [t._indices(), t._values()]
-        if layout in (torch.sparse_csr, torch.sparse_bsr):
-            return [t.crow_indices(), t.col_indices(), t.values()]
-        if layout in (torch.sparse_csc, torch.sparse_bsc):
-            return [t.ccol_indices(), t.row_indices(), t.values()]
-        if layout != torch.strided or t.device.type == "meta" or t.is_quantized:
-            return None
-        return [t]
+        out: list[torch.Tensor] = []
+        for part in _torch.plain_parts(t):
+            if part.is_nested:
+                if part.layout != torch.jagged:
+                    return None  # a strided nested tensor has no flat view of its buffer here
+                out.append(part.values())
+            elif part.layout != torch.strided:
+                out += _torch.sparse_parts(part)
+            elif part.device.type == "meta" or part.is_quantized:
+                return None
+            else:
+                out.append(part)
+        return out or None
     except Exception:  # noqa: BLE001 - an unreadable tensor has no digest, never an error
         return None
 

@@ -210,7 +210,8 @@ def plain_parts(t: torch.Tensor) -> list[torch.Tensor]:
         return [t]
     try:
         names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
-        return [p for name in names for p in plain_parts(getattr(t, name))]
+        inner = [getattr(t, name) for name in names]  # tensors, and for DTensor its mesh too
+        return [p for x in inner if isinstance(x, torch.Tensor) for p in plain_parts(x)] or [t]
     except Exception:  # noqa: BLE001 - an odd subclass: matched by identity
         return [t]
 
@@ -225,10 +226,10 @@ def spans(t: torch.Tensor) -> list[Span]:
     try:
         if type(t) not in _PLAIN:
             parts = plain_parts(t)
-            if parts != [t]:
+            if len(parts) != 1 or parts[0] is not t:  # (`!=` on lists would compare tensors)
                 return [s for part in parts for s in spans(part)]
         if t.layout != _STRIDED:
-            return [s for part in _sparse_parts(t) for s in spans(part)]
+            return [s for part in sparse_parts(t) for s in spans(part)]
         start = t.data_ptr()
         if start == 0:  # meta tensors, and some empty ones
             return []
@@ -259,7 +260,8 @@ def is_dense(shape: Any, stride: Any) -> bool:
     return True
 
 
-def _sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
+def sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The strided tensors a sparse tensor keeps (indices and values); [] for other layouts."""
     layout = t.layout
     if layout == torch.sparse_coo:
         return [t._indices(), t._values()]
@@ -579,7 +581,7 @@ def storage_fingerprint(t: torch.Tensor) -> tuple[Any, ...]:
     """Identity and layout facts that change when a tensor is re-pointed or swapped."""
     try:
         if t.layout != torch.strided:  # a sparse `add_` may reallocate its parts
-            return (t._cdata, t.layout, tuple(t.shape), tuple(p.data_ptr() for p in _sparse_parts(t)))
+            return (t._cdata, t.layout, tuple(t.shape), tuple(p.data_ptr() for p in sparse_parts(t)))
         ptr = t.data_ptr() if t.device.type != "meta" else 0
         return (t._cdata, ptr, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
     except Exception:  # noqa: BLE001

@@ -298,7 +298,7 @@ def main(rank, port):
         blocked = None
     except kvguard.MutationError as err:
         blocked = [err.event.op, w.to_local().tolist()]
-    sys.stdout.write(json.dumps({"rank": rank, "found": found, "blocked": blocked}) + "\n")  # one write
+    sys.stdout.write(json.dumps({"rank": rank, "found": found, "blocked": blocked}) + "\\n")  # one write
     sys.stdout.flush()
     dist.destroy_process_group()
 
