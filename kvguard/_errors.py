@@ -23,20 +23,26 @@ class MutationError(RuntimeError):
     def __init__(self, message: str, event: Optional[MutationEvent] = None,
                  report: Optional[GuardReport] = None) -> None:
         super().__init__(message, event, report)
-        self.seen = False
+        # Shared with the guard that raised it, which keeps this cell, not the error (whose
+        # traceback holds the writing frames), to tell at its exit whether it was read.
+        self.seen_cell = [False]
+
+    @property
+    def seen(self) -> bool:
+        return self.seen_cell[0]
 
     @property
     def event(self) -> Optional[MutationEvent]:
-        self.seen = True
+        self.seen_cell[0] = True
         return self.args[1]  # type: ignore[no-any-return]
 
     @property
     def report(self) -> Optional[GuardReport]:
-        self.seen = True
+        self.seen_cell[0] = True
         return self.args[2]  # type: ignore[no-any-return]
 
     def __str__(self) -> str:
-        self.seen = True
+        self.seen_cell[0] = True
         return str(self.args[0])
 
 

@@ -50,7 +50,9 @@ class Guard:
         self._mode: Any = None
         self._protected: Any = None
         self._entered = False
-        self._raised: list[MutationError] = []  # raised in ops; unread ones are raised again at exit
+        # (seen cell, message, event) of each error raised in an op; unread ones are raised
+        # again at exit. Not the errors: their tracebacks hold the writing frames.
+        self._raised: list[tuple[list[bool], str, Optional[MutationEvent]]] = []
         self._checked = 0  # events already returned by `check()`
         self._unhook_swap: Callable[[], None] = lambda: None
         self.target = target  # `module:qualname(arg)` when env activation guards a target
@@ -138,18 +140,16 @@ class Guard:
             _frames.drop_internal_frames(exc)
         if exc_type is None and self.target is None and self.not_run is None:
             self._warn_if_blind()
-        # Let go of the errors raised in ops: their tracebacks hold the writing frames.
-        unread = next((error for error in self._raised if not error.seen), None)
+        unread = next(((message, event) for seen, message, event in self._raised if not seen[0]), None)
         self._raised = []
         if exc_type is not None or self.action != "raise":
             return False  # an exception already leaving the block is never masked
-        raised = unread
-        if raised is not None:
+        if unread is not None:
             # An `except RuntimeError:` around the write swallowed the error unread: the
             # write was skipped and the code went on as if it had happened.
-            raise MutationError(raised.args[0] + "\n" + _render.detail_line(
+            raise MutationError(unread[0] + "\n" + _render.detail_line(
                 "caught", "this MutationError was caught inside the guard and never read (an except "
-                "clause around the write?); the write did not happen"), raised.args[1], self.report)
+                "clause around the write?); the write did not happen"), unread[1], self.report)
         if unobserved:
             # Too late to stop the change, but a raise guard must not end quietly.
             raise MutationError(_render.format_event(unobserved[0]), unobserved[0], self.report)
@@ -255,7 +255,7 @@ class Guard:
         STATE.publish(event, self)
         if self.action == "raise" and not at_exit:
             error = MutationError(_render.format_event(event), event, self.report)
-            self._raised.append(error)
+            self._raised = [r for r in self._raised if not r[0][0]] + [(error.seen_cell, error.args[0], event)]
             raise error
         if self.action == "warn" and STATE.first_sighting(event):  # later writes at the site: counted
             _render.print_event(event, tag=_ranks.rank_tag())

@@ -65,6 +65,8 @@ class MutationGuardMode(TorchDispatchMode):
         if not hit:
             return lambda swapped: None
         site = _frames.user_site()
+        for entry in protected.drifted(hit):  # a change no op saw, which the swap would hide
+            self.on_event(self._drift_event(entry, site), True)
         before = {id(e): _describe(protected.tensor_of(e)) for e in hit}
         if self.block:
             for entry in hit:
