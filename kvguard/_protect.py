@@ -71,7 +71,6 @@ class ProtectedSet:
         self._fingerprint = fingerprint
         self._undigested: list[Entry] = []  # added since the last batch of digests
         self._scan(frames=None)
-        self._take_digests()
 
     # -- placement -------------------------------------------------------------------
 
@@ -84,11 +83,10 @@ class ProtectedSet:
         """
         if self._dirty or _tree.changed(self._watch):
             self._scan(frames=list(_frames.user_frames(sys._getframe(1))))
-            self._take_digests()
-        for tensor in written:  # a protected tensor re-pointed behind our back: follow it
-            entry = self._entries.get(id(tensor))
-            if entry is not None and entry.ref() is tensor and entry.fingerprint != _torch.storage_fingerprint(tensor):
-                self._follow([entry])
+        # A protected tensor written itself may have been re-pointed behind our back: follow it.
+        own = [e for t in written if (e := self._entries.get(id(t))) is not None and e.ref() is t]
+        if own:
+            self._follow(own)
         if kind == "write" and not self._by_identity:
             starts, max_stop = self._all_starts, self._max_stop_upto
             for tensor in written:
@@ -153,6 +151,7 @@ class ProtectedSet:
                 del self._entries[key]
             self._dirty = False
         self._rebuild_index()
+        self._take_digests()  # of the tensors this look protected, in one batch
 
     def _add(self, leaf: _tree.Leaf, placed_at: Optional[str]) -> None:
         ref = weakref.ref(leaf.tensor, self._on_death)
@@ -210,7 +209,6 @@ class ProtectedSet:
         nothing to read) a move is reported, as the values cannot be compared.
         """
         self._scan(frames)
-        self._take_digests()
         live = [(e, t) for e in list(self._entries.values()) if (t := e.ref()) is not None]
         now = _digest.digests([t for _, t in live]) if self._fingerprint else [None] * len(live)
         agrees = _digest.same_all([e.digest for e, _ in live], now)
