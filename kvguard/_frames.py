@@ -13,6 +13,7 @@ import ast
 import inspect
 import linecache
 import os
+import re
 import sys
 import sysconfig
 import types
@@ -87,8 +88,32 @@ def site_of(frame: Optional[types.FrameType]) -> Site:
     if frame is None:
         return UNKNOWN_SITE
     code = frame.f_code
+    if code.co_filename.startswith("<eval_with_key>"):
+        traced = _traced_site(frame)
+        if traced is not None:
+            return traced
     line = linecache.getline(code.co_filename, frame.f_lineno, frame.f_globals).strip()
     return Site(code.co_filename, frame.f_lineno, code.co_name, line)
+
+
+_STACK_TRACE_FILE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)')
+
+
+def _traced_site(frame: types.FrameType) -> Optional[Site]:
+    """The source line a `torch.compile`d graph's op came from (its FX node's stack trace).
+
+    A write hook sees compiled code's writes from the generated `forward`, whose lines
+    mean nothing to the user; FX maps each generated line to the node it runs.
+    """
+    try:
+        module = frame_namespace(frame).get("self")
+        node_index = module._lineno_map.get(frame.f_lineno - getattr(module, "_prologue_start", 0))
+        trace = list(module.graph.nodes)[node_index].meta.get("stack_trace") or ""
+        found = list(_STACK_TRACE_FILE.finditer(trace))[-1]
+    except Exception:  # noqa: BLE001 - not an FX graph module, or no trace kept: the generated line
+        return None
+    filename, lineno = found["file"], int(found["line"])
+    return Site(filename, lineno, found["function"], linecache.getline(filename, lineno).strip())
 
 
 # Before PEP 667 (Python 3.13) reading `f_locals` leaves a snapshot dict on the frame.

@@ -1,6 +1,6 @@
 """`guard()` and `guarded()`: apply the action, own the report, run the exit check.
 
-Torch-free at import: the engine (`_mode`, `_protect`) loads when a guard is entered.
+Torch-free at import: the engine (`_engines`, `_judge`, `_protect`) loads when a guard is entered.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class Guard:
         self.ignore = _as_keys(ignore, "ignore") or ()
         self.allow = Allowlist(allow, "kvguard.guard(allow=...)")
         self.report = GuardReport(name=self.name, action=self.action)
-        self._mode: Any = None
+        self._attachment: Any = None  # the engine's hold on this guard (see `_engines`), level "full"
+        self.engine: Optional[str] = None  # which engine finds its writes, once entered ("full" only)
         self._protected: Any = None
         self._entered = False
         # (seen cell, message, event) of each error raised in an op; unread ones are raised
@@ -89,17 +90,24 @@ class Guard:
         self.call = STATE.tally.begin_call(self._label)
         for tally in self._tallies[1:]:
             tally.begin_call(self._label)
-        from kvguard._mode import MutationGuardMode
+        from kvguard import _torch
         from kvguard._protect import ProtectedSet
 
         self._protected = protected = ProtectedSet(self.obj, self.name, self.keys, self.ignore,
                                                     fingerprint=self.fingerprint)
         if self.level == "full":
-            self._mode = MutationGuardMode(protected, self._on_event, block=self.action == "raise")
-            self._mode.__enter__()
-        else:  # no per-op hook at all; `swap_tensors` still needs our weak references aside
-            from kvguard import _torch
+            from kvguard import _engines
+            from kvguard._judge import WriteJudge
 
+            judge = WriteJudge(protected, self._on_event, block=self.action == "raise")
+            self._unhook_swap = _torch.on_swap_tensors(judge.on_swap)
+            try:
+                self._attachment = _engines.attach(judge)
+            except BaseException:
+                self._unhook_swap()
+                raise
+            self.engine = self._attachment.engine
+        else:  # no per-op hook at all; `swap_tensors` still needs our weak references aside
             self._unhook_swap = _torch.on_swap_tensors(self._step_aside)
         return self
 
@@ -109,18 +117,14 @@ class Guard:
         return lambda swapped: restore()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
-        from kvguard import _torch
-
         if self._protected is None:
             raise RuntimeError(f"{self!r} exited without being entered")
         try:
-            if self._mode is None:
+            try:
+                if self._attachment is not None:  # out of order, or on another thread's stack (then
+                    self._attachment.detach((exc_type, exc, tb))  # inert once the set is closed)
+            finally:
                 self._unhook_swap()
-            else:  # out of order, or on another thread's stack (then inert once the set is closed)
-                try:
-                    _torch.exit_dispatch_mode(self._mode, (exc_type, exc, tb))
-                finally:
-                    self._mode.unhook()
         finally:
             unobserved = self._exit_check()
             self.keys_seen = frozenset(self._protected.keys_seen)
@@ -132,7 +136,7 @@ class Guard:
                 else:
                     tally.not_run_call(self._label, self.not_run)
             self._protected.close()
-            self._protected = self._mode = None
+            self._protected = self._attachment = None
             self.obj = None
         for event in unobserved:
             self._on_event(event, at_exit=True)
@@ -164,7 +168,7 @@ class Guard:
         """
         if exc_type is not None or unobserved or self.report.events or self.report.cut or self._raised:
             return None
-        if self.report.allowed or (self._mode is not None and self._mode.ops):
+        if self.report.allowed or (self._attachment is not None and self._attachment.ops):
             return None
         try:
             return _ranks.not_run_reason()
@@ -215,27 +219,22 @@ class Guard:
     def _exit_check(self, site: Optional[_frames.Site] = None) -> list[MutationEvent]:
         """Boundary findings as events: values or memory that changed with no op reporting it."""
         from kvguard import _diff
+        from kvguard._judge import UNOBSERVED_DIFF, unobserved_event
 
         site = site or self.exit_site or _frames.user_site()
         events = []
         for change in self._protected.boundary_changes(list(_frames.user_frames(sys._getframe(1)))):
-            entry, tensor = change.entry, change.tensor
+            tensor = change.tensor
             if change.kind == "values":
                 before = f"digest {_digest_text(change.was)}"
                 after = f"{_diff.values(tensor)} (digest {_digest_text(change.now)})"
-                diff = ("values changed with no dispatched write: a numpy view, a raw pointer, another "
-                        "thread or a compiled kernel?") if self.level == "full" else (
-                        "values changed during the guard (level='light' watches no op, so the writing line "
-                        "is not known: level='full' names it)")
+                diff = UNOBSERVED_DIFF if self.level == "full" else (
+                    "values changed during the guard (level='light' watches no op, so the writing line "
+                    "is not known: level='full' names it)")
             else:
                 before, after = _fingerprint_text(change.was), _fingerprint_text(change.now)
                 diff = "identity or memory changed with no dispatched op (k.data = ..., or code the guard cannot see)"
-            events.append(MutationEvent(
-                path=entry.path, op="(no dispatched op)", kind="unobserved", blocked=False,
-                filename=site.filename, lineno=site.lineno, code=site.code, function=site.function,
-                placed_at=entry.placed_at, tensor=_diff.describe(tensor), before=before, after=after,
-                diff=diff, aliases=tuple(entry.aliases), detached=entry.detached,
-            ))
+            events.append(unobserved_event(change.entry, tensor, site, diff, before, after))
         return events
 
     def _on_event(self, event: MutationEvent, at_exit: bool = False) -> None:

@@ -66,6 +66,7 @@ class ProtectedSet:
         self._all_starts: list[int] = []
         self._max_stop_upto: list[int] = []
         self._dirty = False
+        self.on_index: Optional[Callable[[], None]] = None  # told when the protected memory changes
         self.keys_seen: set[Any] = set()  # top-level keys (or indices) the root ever held
         self.protected_count = 0  # tensors protected so far, including ones let go since
         self._fingerprint = fingerprint
@@ -81,8 +82,7 @@ class ProtectedSet:
         placement check compares the watched containers in C, and a write whose whole
         storage misses every protected span returns at once.
         """
-        if self._dirty or _tree.changed(self._watch):
-            self._scan(frames=list(_frames.user_frames(sys._getframe(1))))
+        self.look()
         # A protected tensor written itself may have been re-pointed behind our back: follow it.
         own = [e for t in written if (e := self._entries.get(id(t))) is not None and e.ref() is t]
         if own:
@@ -107,6 +107,44 @@ class ProtectedSet:
         if found and self._follow(found):  # memory it no longer owns: look again
             return self.written_entries(written, kind, resizes)
         return found
+
+    def look(self) -> None:
+        """Protect what was placed since the last look (and forget what died): before any write is judged."""
+        if self._dirty or _tree.changed(self._watch):
+            self._scan(frames=list(_frames.user_frames(sys._getframe(1))))
+
+    @property
+    def watching(self) -> bool:
+        """Whether a placement can happen: the guarded object has containers to watch."""
+        return bool(self._watch.containers or self._watch.probed)
+
+    def intervals(self) -> list[tuple[int, int]]:
+        """The protected memory as sorted, disjoint `[start, stop)` byte ranges (all devices together)."""
+        merged: list[tuple[int, int]] = []
+        for start, stop in sorted((g[0], g[1]) for _, groups in self._index.values() for g in groups):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+            else:
+                merged.append((start, stop))
+        return merged
+
+    def identities(self) -> list[int]:
+        """The TensorImpl addresses of the protected tensors: a write to one of them is looked at
+        wherever its memory is now (`w.data = x` re-points it without any op)."""
+        found = []
+        for entry in self._entries.values():
+            tensor = entry.ref()
+            if tensor is not None:
+                try:
+                    found.append(int(tensor._cdata))
+                except Exception:  # noqa: BLE001 - a subclass without one: found by its memory
+                    pass
+        return found
+
+    @property
+    def by_identity(self) -> bool:
+        """Whether some protected tensor has no readable memory (every write must be looked at)."""
+        return bool(self._by_identity)
 
     def _follow(self, entries: list[Entry]) -> bool:
         """Re-read the memory of entries re-pointed outside the dispatcher; whether any had moved.
@@ -278,6 +316,8 @@ class ProtectedSet:
         for _, stop in every:
             running = max(running, stop)
             self._max_stop_upto.append(running)
+        if self.on_index is not None:
+            self.on_index()
 
     def hits(self, written: torch.Tensor, kind: str = "write", resizes: bool = False) -> list[Entry]:
         """Protected entries a write to `written` touches.

@@ -1,13 +1,48 @@
-"""Shared test fixtures: every test must leave torch as it found it.
+"""Shared test fixtures: every test must leave torch as it found it, under every engine.
 
 No dispatch mode left on the stack, and `torch.utils.swap_tensors` (which an active
 guard wraps) restored: a guard left open by one test would otherwise change the next.
+
+The tests of what a guard sees run once per engine (`compiled`, `kernels`, `mode`,
+see `kvguard._engines`): the `engine` fixture sets `KVGUARD_ENGINE` for the test.
+Where the compiled engine cannot be built the tests skip, except under CI, where
+they fail: CI has a compiler.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+ENGINES = ("compiled", "kernels", "mode")
+# Modules whose tests are about what a guard sees and does: each runs under every engine.
+# The others (reports, CLI, start-up, integrations) run under the automatic choice.
+PER_ENGINE = {"test_guard", "test_channels", "test_odd_tensors", "test_never_crash", "test_containers",
+              "test_fingerprints", "test_cliffs", "test_undeclared_writes", "test_property", "test_engines"}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if metafunc.module.__name__.rpartition(".")[2] in PER_ENGINE and "engine" in metafunc.fixturenames:
+        metafunc.parametrize("engine", ENGINES, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The engine this test's guards use (`auto` outside the per-engine modules)."""
+    name = getattr(request, "param", None)
+    if name is None:
+        return os.environ.get("KVGUARD_ENGINE") or "auto"
+    from kvguard import _engines
+
+    why = _engines.why_not(name)
+    if why is not None:
+        if os.environ.get("CI") and name == "compiled":
+            pytest.fail(f"the compiled engine is not available under CI: {why}")
+        pytest.skip(f"the {name} engine is not available here: {why}")
+    monkeypatch.setenv("KVGUARD_ENGINE", name)
+    return name
 
 
 @pytest.fixture(autouse=True)
@@ -17,3 +52,10 @@ def no_leaked_guard():
     yield
     assert torch._C._len_torch_dispatch_stack() == before, "a dispatch mode leaked out of the test"
     assert torch.utils.swap_tensors is swap, "a guard was left open: swap_tensors is still wrapped"
+    from kvguard import _engines
+
+    leaked = [hook.name for hook in _engines._hook_engines.values() if hook.judges]
+    for hook in _engines._hook_engines.values():  # so that one leak fails one test, not all after it
+        for judge in list(hook.judges):
+            hook.detach(judge)
+    assert not leaked, f"a guard was left attached to the {', '.join(leaked)} engine"

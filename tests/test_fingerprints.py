@@ -29,10 +29,10 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("engine", ["c", "torch"])
-def test_digest_is_order_sensitive_and_nan_stable_for_every_dtype(dtype: torch.dtype, engine: str,
+@pytest.mark.parametrize("digest_impl", ["c", "torch"])
+def test_digest_is_order_sensitive_and_nan_stable_for_every_dtype(dtype: torch.dtype, digest_impl: str,
                                                                   monkeypatch: Any) -> None:
-    if engine == "torch":
+    if digest_impl == "torch":
         monkeypatch.setattr(_digest, "_digest_c", None)
     base = torch.arange(1, 13, dtype=torch.float64).reshape(3, 4)
     t = (base % 2 == 0) if dtype == torch.bool else base.to(dtype)
@@ -91,12 +91,16 @@ UNSEEN = [_numpy, _memmove, _thread, _apply]
 
 @pytest.mark.parametrize("level", ["full", "light"])
 @pytest.mark.parametrize("write", UNSEEN, ids=lambda f: f.__name__.strip("_"))
-def test_writes_no_op_reports_are_found_at_exit(write: Callable[[torch.Tensor], None], level: str) -> None:
+def test_writes_no_op_reports_are_found_at_exit(write: Callable[[torch.Tensor], None], level: str,
+                                                engine: str) -> None:
     x = torch.zeros(4)
     with kvguard.guard({"x": x}, name="rd", action="record", level=level) as g:
         write(x)
     assert not g.report.ok
     (event,) = g.report.events
+    if write is _thread and level == "full" and g.engine in ("compiled", "kernels"):
+        assert (event.kind, event.op) == ("write", "aten.add_.Tensor")  # a process-wide hook sees it
+        return
     assert (event.path, event.kind, event.op) == ("rd['x']", "unobserved", "(no dispatched op)")
     assert event.diff.startswith("values changed with no dispatched write" if level == "full" else "values changed during the guard (level='light'")
     assert event.before.startswith("digest ") and "digest " in (event.after or "")

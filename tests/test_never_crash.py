@@ -336,12 +336,19 @@ def test_an_uncaught_error_traceback_ends_at_the_users_line(tmp_path: Path) -> N
     assert "kvguard.MutationError: rd['kl'][0] would be modified in place by aten.mul_.Tensor" in result.stderr
 
 
-def test_a_guard_exited_on_another_thread_stops_acting() -> None:
+def test_a_guard_exited_on_another_thread_stops_acting(engine: str) -> None:
     import threading
 
     rd = {"k": torch.ones(2)}
     g = kvguard.guard(rd, name="rd", action="raise")
     g.__enter__()
+    if g.engine != "mode":  # a write hook is process-wide: any thread detaches it
+        worker = threading.Thread(target=g.__exit__, args=(None, None, None))
+        worker.start()
+        worker.join()
+        rd["k"].add_(1)  # no longer guarded
+        assert torch.equal(rd["k"], torch.full((2,), 2.0)) and g.report.ok
+        return
     mode = torch._C._get_dispatch_stack_at(0)
     errors: list[BaseException] = []
 

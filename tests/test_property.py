@@ -694,11 +694,13 @@ class Runner:
             self.expect_no_event(k, lambda: None)
             return
         ts = [build_target(env, tg) for tg in step.targets]
-        if kind in ("numpy", "ctypes", "thread", "apply", "data", "share"):
+        # A write hook (engines compiled, kernels) is process-wide: another thread's op is seen.
+        hooked = kind == "thread" and full and os.environ.get("KVGUARD_ENGINE") in ("compiled", "kernels")
+        if kind in ("numpy", "ctypes", "thread", "apply", "data", "share") and not hooked:
             self.unseen_step(k, step, ts)
             return
         # Dispatched in this thread (op, set), or reported at its own line (swap).
-        looks = kind in ("op", "set") and not step.op.startswith("oop_")
+        looks = kind in ("op", "set", "thread") and not step.op.startswith("oop_")
         op_kind = "write"
         partner: Optional[torch.Tensor] = None
         if kind in ("swap", "set"):
@@ -715,6 +717,8 @@ class Runner:
             written = written_bytes(step.op, ts, step.i)
             op_kind = "metadata" if step.op in METADATA_OPS else "write"
             run = lambda: OPS[step.op][0](ts, step.i)  # noqa: E731
+            if hooked:
+                run = lambda: run_in_thread(lambda: OPS[step.op][0](ts, step.i))  # noqa: E731
         candidates = set(self.baseline) | (set(self.pending) if full and looks else set())
         if not full:
             hits: set[str] = set()
@@ -722,7 +726,7 @@ class Runner:
             hits = {n for n in candidates if byte_set(env[n]) & written}
             if step.op == "out":  # an empty `out=` tensor may be resized and filled: matched by identity
                 hits |= {n for n in candidates if env[n] is ts[0] and ts[0].numel() == 0}
-        elif kind == "op" and step.op.startswith("oop_"):
+        elif kind in ("op", "thread") and step.op.startswith("oop_"):
             hits = set()
         else:
             hits = {n for n in candidates if any(env[n] is o for o in objects)}

@@ -126,8 +126,10 @@ def test_sweep_fails_on_a_write_missing_from_the_table(table: dict[str, Any],
     assert "FAIL: aten::native_batch_norm running_mean, aten::native_batch_norm running_var missing" in out
 
 
-def test_eval_calls_do_not_count_as_writes(table: dict[str, Any]) -> None:
+def test_eval_calls_do_not_count_as_writes(table: dict[str, Any], engine: str) -> None:
     """A table entry without its `training` condition would flag every eval-mode call."""
+    if engine in ("compiled", "kernels"):
+        pytest.skip("a write hook reads the table once, when it is installed")
     table["aten::native_batch_norm"] = (("running_mean", "running_var"), None)
     result = sweep.run_sweep(sweep.select_cases(["nn.BatchNorm1d"], sources=["module_db"]))
     assert not result.missing  # over-declaring never fails the sweep...
@@ -282,10 +284,16 @@ def test_training_without_tracked_statistics_writes_nothing_protected() -> None:
     pytest.param(lambda x, rm, rv: torch.nn.functional.instance_norm(
         x.view(2, 4, 3), rm, rv, use_input_stats=True), id="F.instance_norm"),
 ])
-def test_every_entry_point_is_caught_and_blocked(call: Any) -> None:
+def test_every_entry_point_is_caught_and_blocked(call: Any, engine: str) -> None:
     x = torch.randn(6, 4)
     rm, rv = torch.randn(4), torch.rand(4) + 0.5
     before = rm.clone(), rv.clone()
+    if engine in ("compiled", "kernels") and "batch_norm_update_stats" in call.__code__.co_names:
+        # Its autograd kernel skips ADInplaceOrView: the write hook never sees it, the exit check does.
+        with kvguard.guard({"rm": rm, "rv": rv}, name="s", action="record") as g:
+            call(x, rm, rv)
+        assert {(e.path, e.kind) for e in g.report.events} == {("s['rm']", "unobserved"), ("s['rv']", "unobserved")}
+        return
     with pytest.raises(kvguard.MutationError):
         with kvguard.guard({"rm": rm, "rv": rv}, name="s", action="raise"):
             call(x, rm, rv)

@@ -1,0 +1,122 @@
+"""Which engine finds a guard's writes: `compiled`, `kernels` or `mode`.
+
+- `compiled`: the write hook in C++ (`_write_hook`, built for the installed torch on
+  first use, see `_build`): about unguarded speed.
+- `kernels`: the same hook as Python kernels (`_kernels`): no compiler needed, every
+  writing op becomes a Python call.
+- `mode`: a `TorchDispatchMode` (`_mode`): every op becomes a Python call; the only
+  engine on torch < 2.9 (no computed-kernel API), and the one that sees writes to
+  inference tensors inside `torch.inference_mode()`.
+
+The first available one is used; `KVGUARD_ENGINE=compiled|kernels|mode` asks for one.
+An engine that cannot be had is one line on stderr, then the next one: never a crash.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from kvguard._judge import WriteJudge
+
+ENGINES = ("compiled", "kernels", "mode")
+_hook_engines: dict[str, Any] = {}
+_unavailable: dict[str, str] = {}  # engine -> why it cannot be had in this process
+_said: set[str] = set()
+
+
+def requested() -> Optional[str]:
+    """The engine `KVGUARD_ENGINE` asks for, or None (auto); a bad value is one line, then auto."""
+    raw = os.environ.get("KVGUARD_ENGINE", "").strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if raw in ENGINES:
+        return raw
+    _say_once(f"bad:{raw}", f"kvguard: KVGUARD_ENGINE={raw!r} is not one of auto, {', '.join(ENGINES)}; "
+                            "choosing automatically")
+    return None
+
+
+def choose() -> str:
+    """The engine the next guard uses: the requested one if it can be had, else the first that can."""
+    wanted = requested()
+    order = ENGINES[ENGINES.index(wanted):] if wanted is not None else ENGINES
+    for name in order:
+        why = why_not(name)
+        if why is None:
+            return name
+        if name == wanted:
+            _say_once(f"fallback:{name}", f"kvguard: KVGUARD_ENGINE={name} is not available ({why}); "
+                                          "using the next engine")
+    return "mode"
+
+
+def why_not(name: str) -> Optional[str]:
+    """Why `name` cannot be used in this process, or None when it can (installs it).
+
+    One write hook at a time: kernels stacked on kernels would call each other. Another
+    hook engine with no guard attached is uninstalled first; one in use makes this one
+    unavailable until its guards exit.
+    """
+    if name == "mode":
+        return None
+    if name in _unavailable:
+        return _unavailable[name]
+    for other, hook in list(_hook_engines.items()):
+        if other != name:
+            if hook.judges:
+                return f"the {other} engine is in use by an active guard"
+            hook.uninstall()
+            del _hook_engines[other]
+    if name not in _hook_engines:
+        try:
+            backend = _backend(name)
+            if isinstance(backend, str):
+                _unavailable[name] = backend
+                return backend
+            from kvguard._hooks import HookEngine
+
+            _hook_engines[name] = HookEngine(name, backend)
+        except Exception as exc:  # noqa: BLE001 - an engine that fails to install is not used
+            _unavailable[name] = f"{type(exc).__name__}: {exc}"
+            return _unavailable[name]
+    return None
+
+
+def _backend(name: str) -> Any:
+    """The backend module for a hook engine, or a string saying why there is none."""
+    import torch
+
+    if not hasattr(torch.library, "get_kernel"):
+        return f"torch {torch.__version__} lacks the computed-kernel API (torch >= 2.9 has it)"
+    if name == "kernels":
+        from kvguard import _kernels
+
+        return _kernels
+    from kvguard import _build
+
+    module = _build.load()
+    return module if module is not None else _build.reason()
+
+
+def attach(judge: WriteJudge) -> Any:
+    """Start reporting writes to `judge`; returns the attachment (`.engine`, `.ops`, `.detach(exc_info)`)."""
+    name = choose()
+    if name != "mode":
+        try:
+            return _hook_engines[name].attach(judge)
+        except Exception as exc:  # noqa: BLE001
+            _unavailable[name] = f"{type(exc).__name__}: {exc}"
+            _say_once(f"failed:{name}", f"kvguard: the {name} engine failed ({_unavailable[name]}); "
+                                        "using the dispatch mode")
+    from kvguard._mode import ModeAttachment
+
+    return ModeAttachment(judge)
+
+
+def _say_once(key: str, line: str) -> None:
+    if key not in _said:
+        _said.add(key)
+        from kvguard._render import say
+
+        say(line)

@@ -1,0 +1,148 @@
+"""The write-hook engines: a kernel on ADInplaceOrView for every op that writes.
+
+Ops that write nothing never reach that dispatch key, so reads cost nothing. A writing
+op's kernel (`_write_hook`, compiled, or `_kernels`, its Python twin) compares the
+written storage with the protected memory of every active guard and enters Python only
+on a possible hit, where each guard's `WriteJudge` decides. The hook is process-wide:
+it sees writes from every thread, not only the one that entered the guard.
+
+A backend is installed once, at the first guard, and then switched on and off: it is
+registered from one thread, and a kernel registration is not safe against ops running
+concurrently on others.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any, Optional, Sequence
+
+import torch
+
+from kvguard import _frames, _torch
+from kvguard._judge import After, WriteJudge
+
+def outside_dynamo(fn: Any) -> Any:
+    return torch._disable_dynamo(fn)  # type: ignore[attr-defined]
+
+
+# op name as the backend spells it ("aten::mul_.Tensor") -> its OpOverload
+_overloads: dict[str, Any] = {}
+
+
+def overload_of(name: str) -> Any:
+    """`torch.ops.aten.mul_.Tensor` for `"aten::mul_.Tensor"` (cached)."""
+    func = _overloads.get(name)
+    if func is None:
+        qualified, _, overload = name.partition(".")
+        namespace, _, op = qualified.partition("::")
+        func = _overloads[name] = getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
+    return func
+
+
+class HookEngine:
+    """The active guards of one installed backend, and the protected memory they share."""
+
+    def __init__(self, name: str, backend: Any) -> None:
+        self.name = name
+        self.backend = backend
+        self.judges: list[WriteJudge] = []  # in entry order: the innermost guard judges first
+        self._lock = threading.RLock()
+        # Called from inside ops, also while Dynamo traces a compiled function: never traced.
+        on_write, look = self._on_write, self._look
+        self._on_write = outside_dynamo(lambda name, written: on_write(name, written))  # type: ignore[method-assign]
+        self._look = outside_dynamo(lambda: look())  # type: ignore[method-assign]
+        backend.install()
+
+    def attach(self, judge: WriteJudge) -> HookAttachment:
+        with self._lock:
+            self.judges.append(judge)
+            judge.protected.on_index = self._push
+            try:
+                if len(self.judges) == 1:
+                    self.backend.set_callback(self._on_write)
+                self._push()
+                self.backend.set_enabled(True)
+            except BaseException:
+                self.detach(judge)
+                raise
+        return HookAttachment(self, judge)
+
+    def detach(self, judge: WriteJudge) -> None:
+        with self._lock:
+            if judge in self.judges:
+                self.judges.remove(judge)
+            judge.protected.on_index = None
+            if not self.judges:
+                self.backend.set_enabled(False)
+                self.backend.set_callback(None)
+                self.backend.set_watch(None)
+            self._push()
+
+    def _push(self) -> None:
+        """Tell the backend the union of the guards' protected memory, and whether to watch placements."""
+        with self._lock:
+            merged: list[tuple[int, int]] = []
+            for start, stop in sorted(span for j in self.judges for span in j.protected.intervals()):
+                if merged and start <= merged[-1][1]:
+                    merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+                else:
+                    merged.append((start, stop))
+            self.backend.set_intervals(merged)
+            self.backend.set_identities(sorted({i for j in self.judges for i in j.protected.identities()}))
+            self.backend.set_send_all(any(j.protected.by_identity for j in self.judges))
+            self.backend.set_watch(self._look if any(j.protected.watching for j in self.judges) else None)
+
+    def _look(self) -> None:
+        """Before a write is judged: protect what was placed since the last look."""
+        for judge in list(self.judges):
+            judge.protected.look()
+
+    def _on_write(self, name: str, written: Sequence[torch.Tensor]) -> Optional[After]:
+        """A write that may touch protected memory; returns what to run after it, if anything."""
+        func = overload_of(name)
+        facts = _torch.op_facts(func)
+        if not facts.written or next(_frames.user_frames(sys._getframe(0).f_back), None) is None:
+            # No Python caller: torch's own thread doing an op's work (a collective's copy at
+            # its `wait()`); the op was judged where it was called, a boundary check sees the rest.
+            return None
+        afters = [a for judge in reversed(list(self.judges))
+                  if (a := judge.begin(func, facts, written)) is not None]
+        if not afters:
+            return None
+        if len(afters) == 1:
+            return afters[0]
+
+        def after_all(failed: bool = False) -> None:
+            for after in reversed(afters):  # the outermost guard's first, as with nested modes
+                after(failed)
+        return after_all
+
+    def writes(self) -> int:
+        return int(self.backend.writes())
+
+    def uninstall(self) -> None:
+        """Remove the kernels (no guard may be attached): the originals are back."""
+        with self._lock:
+            assert not self.judges, "uninstalling a write hook with guards attached"
+            self.backend.set_enabled(False)
+            self.backend.uninstall()
+
+
+class HookAttachment:
+    """One guard's place among a hook engine's active guards."""
+
+    def __init__(self, engine: HookEngine, judge: WriteJudge) -> None:
+        self.engine_ = engine
+        self.engine = engine.name
+        self.judge = judge
+        self._writes_at_entry = engine.writes()
+
+    @property
+    def ops(self) -> int:
+        """Writing ops seen in the process since the guard was entered (reads are not seen)."""
+        return self.engine_.writes() - self._writes_at_entry
+
+    def detach(self, exc_info: tuple[Any, Any, Any]) -> None:
+        self.engine_.detach(self.judge)
+

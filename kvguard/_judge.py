@@ -1,0 +1,171 @@
+"""`WriteJudge`: one guard's verdict on one writing op, whichever engine saw it.
+
+An engine (`_engines`) finds the ops that write; the judge decides whether a write
+touches the guard's `ProtectedSet`, turns it into `MutationEvent`s and hands them to the
+guard's callback. With `block=True` the callback runs before the op, so raising there
+leaves the data intact.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from kvguard import _diff, _frames, _torch
+from kvguard._events import MutationEvent
+from kvguard._protect import Entry, ProtectedSet
+
+FREED_DIFF = "values not compared (the tensor was freed before they could be read)"
+UNOBSERVED_DIFF = ("values changed with no dispatched write: a numpy view, a raw pointer, another thread or "
+                   "a compiled kernel?")
+DRIFT_DIFF = ("values changed before this line's write with no dispatched write: a numpy view, a raw pointer, "
+              "another thread or a compiled kernel?")
+_COPY = torch.ops.aten.copy_.default
+# What a write's report compares against: the values it could change, copied just before
+# it (None when they could not be read), and which flat index ranges those are (None: all).
+_Copy = tuple[Optional[torch.Tensor], Optional[list[tuple[int, int]]]]
+After = Callable[..., None]  # after(failed=False)
+
+
+class WriteJudge:
+    """Reports the writes of one guard's protected set; engines call `begin` per writing op."""
+
+    def __init__(self, protected: ProtectedSet, on_event: Callable[..., None], block: bool) -> None:
+        self.protected = protected
+        self.on_event = on_event
+        self.block = block
+
+    def begin(self, func: Any, facts: _torch.OpFacts, written: Sequence[torch.Tensor],
+              args: Sequence[Any] = ()) -> Optional[After]:
+        """Judge an op about to write `written`; returns what to run once it has, if anything.
+
+        Raises (through the guard's callback) to stop the write. `args` are the op's
+        positional arguments where the engine has them (a self-copy is no write).
+        """
+        protected = self.protected
+        hit = protected.written_entries(written, facts.kind, facts.resizes)
+        if not hit or (func is _COPY and _is_self_copy(args)):
+            return None
+        site = _frames.user_site()
+        for entry in protected.drifted(hit):  # changed since the last look, by nothing we saw:
+            self.on_event(unobserved_event(entry, protected.tensor_of(entry), site, DRIFT_DIFF,
+                                           before="(a digest)"), True)  # too late to stop: never raised
+        if self.block:
+            for entry in hit:
+                self.on_event(self._event(func, facts.kind, entry, site, blocked=True))
+            # The callback chose not to stop the write: fall through and report it.
+        # A copy of what this write can change in each entry, taken just before it and
+        # dropped once the event is built: memory in proportion to the write, held briefly.
+        copies: dict[int, _Copy] = {}
+        if facts.kind == "write":
+            windows = _torch.write_windows(written)
+            for entry in hit:
+                tensor = protected.tensor_of(entry)
+                if tensor is not None:
+                    ranges = _torch.flat_ranges(tensor, windows)
+                    copies[id(entry)] = (_diff.snapshot(tensor, ranges), ranges)
+        before_meta = {} if facts.kind == "write" else {id(e): _describe(protected.tensor_of(e)) for e in hit}
+
+        def after(failed: bool = False) -> None:
+            """Report the write; `failed`: the op raised, so report only what it changed before raising."""
+            landed = hit if not failed else protected.drifted(hit)
+            # Reported here, not again by the next boundary check; c10d writes land at `wait()`.
+            protected.explain(landed, settled=getattr(func, "namespace", "") != "c10d")
+            for entry in landed:
+                if facts.kind != "write":
+                    protected.relayout(entry)
+                self.on_event(self._event(func, facts.kind, entry, site, blocked=False,
+                                          before_meta=before_meta.get(id(entry)), copy=copies.pop(id(entry), None)))
+        return after
+
+    def on_swap(self, t1: torch.Tensor, t2: torch.Tensor) -> Callable[[bool], None]:
+        """`torch.utils.swap_tensors` on a protected tensor: report it like `set_` (if it swapped)."""
+        protected = self.protected
+        hit = [e for e in (protected.entry_of(t1), protected.entry_of(t2)) if e is not None]
+        if not hit:
+            return lambda swapped: None
+        site = _frames.user_site()
+        for entry in protected.drifted(hit):  # a change no op saw, which the swap would hide
+            self.on_event(unobserved_event(entry, protected.tensor_of(entry), site, DRIFT_DIFF,
+                                           before="(a digest)"), True)
+        before = {id(e): _describe(protected.tensor_of(e)) for e in hit}
+        if self.block:
+            for entry in hit:
+                self.on_event(self._event(_torch.SWAP_OP, "repoint", entry, site, blocked=True))
+        restore = protected.release((t1, t2))
+
+        def after(swapped: bool) -> None:
+            restore()
+            if not swapped:  # torch refused: nothing changed, nothing to report
+                return
+            protected.explain(hit)
+            for entry in hit:
+                self.on_event(self._event(_torch.SWAP_OP, "repoint", entry, site, blocked=False,
+                                          before_meta=before[id(entry)]))
+        return after
+
+    def _event(self, func: Any, kind: str, entry: Entry, site: _frames.Site, blocked: bool,
+               before_meta: Optional[str] = None, copy: Optional[_Copy] = None) -> MutationEvent:
+        """The event for one protected entry; its summaries never raise (see `_diff`)."""
+        tensor = self.protected.tensor_of(entry)
+        described = _describe(tensor)
+        if blocked:
+            before = _values(tensor)
+            after = None
+            diff = "not applied: raised before the write, the data is intact"
+        elif kind == "write":
+            # Show the values where this write starts changing them, not just the first few.
+            values, ranges = copy if copy is not None else (None, None)
+            if tensor is None:
+                first, diff = 0, FREED_DIFF
+                before = _diff.values(values) if values is not None else _diff.NO_COPY
+            else:
+                first, diff = _diff.compare(tensor, values, ranges)
+                before = _diff.values(tensor, first, before=values, ranges=ranges) if values is not None else (
+                    _diff.NO_COPY)
+            after = _values(tensor, first)
+        else:
+            before = before_meta or described
+            after = described
+            diff = "metadata only: the values were not written" if kind == "metadata" else (
+                "the tensor now refers to other memory (its values are no longer the guarded ones)")
+        return MutationEvent(
+            path=entry.path, op=_torch.short_op_name(func), kind=kind, blocked=blocked,
+            filename=site.filename, lineno=site.lineno, code=site.code, function=site.function,
+            placed_at=entry.placed_at, tensor=described, before=before, after=after, diff=diff,
+            aliases=tuple(entry.aliases), detached=entry.detached,
+        )
+
+
+def unobserved_event(entry: Entry, tensor: Optional[torch.Tensor], site: _frames.Site, diff: str,
+                     before: str, after: Optional[str] = None) -> MutationEvent:
+    """A change no op reported: found at a boundary, or just before a reported write would hide it."""
+    return MutationEvent(
+        path=entry.path, op="(no dispatched op)", kind="unobserved", blocked=False,
+        filename=site.filename, lineno=site.lineno, code=site.code, function=site.function,
+        placed_at=entry.placed_at, tensor=_describe(tensor), before=before,
+        after=after if after is not None else _values(tensor), diff=diff,
+        aliases=tuple(entry.aliases), detached=entry.detached,
+    )
+
+
+def _describe(tensor: Optional[torch.Tensor]) -> str:
+    return _diff.describe(tensor) if tensor is not None else "<freed>"
+
+
+def _values(tensor: Optional[torch.Tensor], around: int = 0) -> str:
+    return _diff.values(tensor, around) if tensor is not None else "<freed>"
+
+
+def _is_self_copy(args: Sequence[Any]) -> bool:
+    """`k[-1] += r` ends with `copy_(view, view)`: a no-op that is not a new write."""
+    if len(args) < 2 or not isinstance(args[1], torch.Tensor):
+        return False
+    dst, src = args[0], args[1]
+    try:
+        return bool(dst.dtype == src.dtype and dst.device == src.device and dst.shape == src.shape
+                    and dst.stride() == src.stride() and dst.data_ptr() == src.data_ptr()
+                    and dst.is_conj() == src.is_conj() and dst.is_neg() == src.is_neg())
+    except Exception:  # noqa: BLE001
+        return False

@@ -1,0 +1,251 @@
+"""The `kernels` backend: the write hook as Python kernels on ADInplaceOrView.
+
+The Python twin of the compiled `_write_hook` (same functions, same behaviour), for
+when no compiler is at hand: every writing op becomes a Python call (about 1.4x on a
+per-token GAE, 2x with 20 % in-place ops), reads stay free. Installing it takes a few
+hundred milliseconds; it is installed once per process and then switched on and off.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import warnings
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from kvguard import _torch
+
+_KEY = "ADInplaceOrView"
+_BELOW = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.ADInplaceOrView)
+
+
+class _State:
+    enabled = False
+    send_all = False
+    intervals: tuple[list[int], list[int]] = ([], [])  # starts, stops: replaced whole, never changed
+    identities: frozenset[int] = frozenset()  # TensorImpl addresses of protected tensors
+    callback: Optional[Callable[..., Any]] = None
+    watch: Optional[Callable[[], None]] = None
+    writes = 0
+
+
+_state = _State()
+_local = threading.local()
+_library: Optional[dict[str, Any]] = None  # namespace -> its torch.library.Library
+_hooked: list[str] = []
+
+
+def install() -> int:
+    """Register a kernel for every op overload that writes an argument; returns how many."""
+    global _library
+    if _library is not None:
+        return len(_hooked)
+    libraries: dict[str, Any] = {}  # one per namespace: a library registers only its own ops
+    names = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel", once per op
+        for name in torch._C._dispatch_get_all_op_names():
+            func = _overload(name)
+            if func is None or not _torch.op_facts(func).written or _python_original(name):
+                continue
+            namespace = name.partition("::")[0]
+            try:
+                if namespace not in libraries:
+                    libraries[namespace] = torch.library.Library(namespace, "IMPL")
+                _register(libraries[namespace], name, func)
+            except Exception:  # noqa: BLE001 - an op torch.library refuses: left to the exit check
+                continue
+            names.append(name)
+    _library = libraries
+    _hooked[:] = names
+    return len(names)
+
+
+def uninstall() -> None:
+    """Remove every kernel: the originals are back."""
+    global _library
+    if _library is not None:
+        for library in _library.values():
+            library._destroy()
+        _library = None
+        _hooked.clear()
+
+
+def installed() -> bool:
+    return _library is not None
+
+
+def hooked_ops() -> list[str]:
+    return list(_hooked)
+
+
+def set_enabled(on: bool) -> None:
+    _state.enabled = bool(on)
+
+
+def enabled() -> bool:
+    return _state.enabled
+
+
+def set_send_all(on: bool) -> None:
+    _state.send_all = bool(on)
+
+
+def set_intervals(intervals: Sequence[tuple[int, int]]) -> None:
+    _state.intervals = ([int(a) for a, _ in intervals], [int(b) for _, b in intervals])
+
+
+def set_identities(identities: Sequence[int]) -> None:
+    """Protected tensors by identity: a write to one is a candidate wherever its memory is."""
+    _state.identities = frozenset(int(i) for i in identities)
+
+
+def set_callback(callback: Optional[Callable[..., Any]]) -> None:
+    _state.callback = callback
+
+
+def set_watch(watch: Optional[Callable[[], None]]) -> None:
+    _state.watch = watch
+
+
+def writes() -> int:
+    return _state.writes
+
+
+def _overload(name: str) -> Any:
+    qualified, _, overload = name.partition(".")
+    namespace, _, op = qualified.partition("::")
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
+    except Exception:  # noqa: BLE001 - an op without a Python binding
+        return None
+
+
+def _python_original(name: str) -> bool:
+    """Whether the op's own ADInplaceOrView kernel is Python (a `torch.library.custom_op`).
+
+    Calling such a kernel back from a Python kernel re-enters ours; its inner aten ops
+    reach the hook anyway.
+    """
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(name, _KEY):
+        return False
+    return ".py:" in str(torch._C._dispatch_get_computed_kernel_for_dispatch_key(name, _KEY))
+
+
+def _register(library: Any, name: str, func: Any) -> None:
+    schema = func._schema
+    facts = _torch.op_facts(func)
+    # Python kernels get wrapped numbers (`x.add_(2)`) as Python scalars, which the
+    # original kernel's boxed call refuses for a Tensor parameter: pass them as 0-d
+    # tensors of the dtype the op computes in.
+    tensor_params = [(i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments) if str(a.type) == "Tensor"]
+    original = torch.library.get_kernel(func, _KEY) if torch._C._dispatch_has_kernel_for_dispatch_key(name, _KEY) \
+        else None
+    is_copy = name == "aten::copy_"
+
+    def call_original(keyset: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if original is None:
+            return func.redispatch(keyset & _BELOW, *args, **kwargs)
+        return original.call_boxed(keyset, *_as_tensors(args, kwargs, tensor_params), **kwargs)
+
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        state = _state
+        if not state.enabled or getattr(_local, "depth", 0):
+            return call_original(keyset, args, kwargs)
+        _local.depth = 1
+        try:
+            state.writes += 1
+            watch = state.watch
+            if watch is not None:
+                watch()
+            after = None
+            callback = state.callback
+            if callback is not None:
+                written = _torch.written_tensors(facts, args, kwargs)
+                if any(map(_candidate, written)) and not (is_copy and _self_copy(args)):
+                    after = callback(name, tuple(written))
+            if after is None:
+                return call_original(keyset, args, kwargs)
+            try:
+                out = call_original(keyset, args, kwargs)
+            except BaseException:
+                after(True)  # torch refused the write, maybe after it landed: report what changed
+                raise
+            after()
+            return out
+        finally:
+            _local.depth = 0
+
+    # Runs inside ops, also while Dynamo traces a compiled function: never traced itself.
+    library.impl(name.partition("::")[2], torch._disable_dynamo(kernel), _KEY, with_keyset=True)
+
+
+def _as_tensors(args: tuple[Any, ...], kwargs: dict[str, Any], params: list[tuple[int, str, bool]]) -> tuple[Any, ...]:
+    """`args` with Python numbers in Tensor parameters turned into 0-d tensors (kwargs changed in place)."""
+    converted = None
+    for position, name, kwarg_only in params:
+        if not kwarg_only and position < len(args):
+            value = args[position]
+            if isinstance(value, (bool, int, float, complex)):
+                converted = converted or list(args)
+                converted[position] = _number_tensor(value, args)
+        elif isinstance(kwargs.get(name), (bool, int, float, complex)):
+            kwargs[name] = _number_tensor(kwargs[name], args)
+    return tuple(converted) if converted is not None else args
+
+
+def _number_tensor(value: Any, args: tuple[Any, ...]) -> torch.Tensor:
+    """`value` as a 0-d tensor of the dtype `torch.result_type(first tensor, value)` gives.
+
+    Read from the dtype alone: no op may run on the user's tensor here (a subclass may refuse it).
+    """
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if first is None:
+        return torch.scalar_tensor(value)
+    dtype = first.dtype
+    if isinstance(value, bool):
+        kind = 0
+    elif isinstance(value, int):
+        kind = 1
+    elif isinstance(value, float):
+        kind = 2
+    else:
+        kind = 3
+    have = 3 if dtype.is_complex else 2 if dtype.is_floating_point else 0 if dtype == torch.bool else 1
+    if kind <= have:
+        return torch.scalar_tensor(value, dtype=dtype)
+    if kind == 1:
+        return torch.scalar_tensor(value, dtype=torch.int64)
+    default = torch.get_default_dtype()
+    if kind == 2:
+        return torch.scalar_tensor(value, dtype=default)
+    complex_of = {torch.float64: torch.complex128, torch.float16: torch.complex32}
+    return torch.scalar_tensor(value, dtype=complex_of.get(dtype, complex_of.get(default, torch.complex64)))
+
+
+def _candidate(tensor: torch.Tensor) -> bool:
+    """Whether a write to `tensor` may touch protected memory (Python then decides exactly)."""
+    state = _state
+    if state.send_all:
+        return True
+    try:
+        if tensor._cdata in state.identities:
+            return True
+        storage = tensor.untyped_storage()
+        lo = storage.data_ptr()
+        hi = lo + storage.nbytes()
+    except Exception:  # noqa: BLE001 - no readable storage (sparse, wrapper subclasses): by identity
+        return True
+    if lo == 0:
+        return True
+    starts, stops = state.intervals  # sorted and disjoint: only the last one starting below `hi` can meet it
+    i = bisect.bisect_right(starts, hi - 1) - 1
+    return i >= 0 and stops[i] > lo
+
+
+def _self_copy(args: tuple[Any, ...]) -> bool:
+    from kvguard._judge import _is_self_copy
+
+    return _is_self_copy(args)
