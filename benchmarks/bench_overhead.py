@@ -5,7 +5,9 @@ Three modes run the same workload in one process, interleaved round-robin:
 * ``none``  - no dispatch mode at all (context: what plain eager PyTorch costs);
 * ``empty`` - an empty ``TorchDispatchMode`` that only calls ``func`` (the floor for
   any Python dispatch mode: the trampoline itself);
-* ``guard`` - ``kvguard.guard(rollout, action="raise")``.
+* ``guard`` - ``kvguard.guard(rollout, action="raise")`` on the dispatch-mode engine
+  (``KVGUARD_ENGINE=mode``): the floor for it is the empty mode. ``bench_suite.py``
+  compares the engines with unguarded torch.
 
 The budget is on ``guard / empty``: kvguard's own logic may add at most 15 % to what
 an empty dispatch mode already costs. ``empty / none`` is printed for context only.
@@ -23,6 +25,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import platform
 import statistics
 import sys
@@ -158,8 +161,30 @@ def _context(mode: str, rollout: dict[str, Any]) -> ContextManager[Any]:
     if mode == "empty":
         return Empty()
     if mode == "guard":
-        return kvguard.guard(rollout, name="rollout", action="raise")
+        return _ModeEngineGuard(rollout)
     raise ValueError(mode)
+
+
+class _ModeEngineGuard:
+    """`kvguard.guard(rollout, action="raise")` on the dispatch-mode engine: this benchmark
+    measures that engine's own logic against an empty mode (`bench_suite.py` compares engines)."""
+
+    def __init__(self, rollout: dict[str, Any]) -> None:
+        self.guard = kvguard.guard(rollout, name="rollout", action="raise")
+
+    def __enter__(self) -> Any:
+        old = os.environ.get("KVGUARD_ENGINE")
+        os.environ["KVGUARD_ENGINE"] = "mode"
+        try:
+            return self.guard.__enter__()
+        finally:
+            if old is None:
+                del os.environ["KVGUARD_ENGINE"]
+            else:
+                os.environ["KVGUARD_ENGINE"] = old
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.guard.__exit__(*exc)
 
 
 def _time_once(fn: Callable[[dict[str, Any]], Any], rollout: dict[str, Any], mode: str) -> tuple[float, float]:

@@ -83,6 +83,21 @@ def why_not(name: str) -> Optional[str]:
     return None
 
 
+def install_only(name: Optional[str]) -> None:
+    """Leave exactly the write hook `name` installed (None: none), for a fair comparison.
+
+    For benchmarks and tests; no guard may be attached to the others.
+    """
+    for other, hook in list(_hook_engines.items()):
+        if other != name:
+            hook.uninstall()
+            del _hook_engines[other]
+    if name not in (None, "mode"):
+        why = why_not(name)
+        if why is not None:
+            raise RuntimeError(f"the {name} engine is not available: {why}")
+
+
 def _backend(name: str) -> Any:
     """The backend module for a hook engine, or a string saying why there is none."""
     import torch

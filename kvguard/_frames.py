@@ -106,7 +106,7 @@ def _traced_site(frame: types.FrameType) -> Optional[Site]:
     mean nothing to the user; FX maps each generated line to the node it runs.
     """
     try:
-        module = frame_namespace(frame).get("self")
+        module: Any = frame_namespace(frame).get("self")
         node_index = module._lineno_map.get(frame.f_lineno - getattr(module, "_prologue_start", 0))
         trace = list(module.graph.nodes)[node_index].meta.get("stack_trace") or ""
         found = list(_STACK_TRACE_FILE.finditer(trace))[-1]

@@ -208,7 +208,7 @@ class Guard:
         """
         if self._protected is None:
             raise RuntimeError(f"{self!r}.check() needs an active guard (inside its `with` block)")
-        found = self._exit_check(_frames.user_site())
+        found = self._exit_check(_frames.user_site(), rescan=True)
         for event in found:
             self._on_event(event, at_exit=True)
         fresh, self._checked = self.report.events[self._checked:], len(self.report.events)
@@ -216,14 +216,14 @@ class Guard:
             raise MutationError(_render.format_event(found[0]), found[0], self.report)
         return fresh
 
-    def _exit_check(self, site: Optional[_frames.Site] = None) -> list[MutationEvent]:
+    def _exit_check(self, site: Optional[_frames.Site] = None, rescan: bool = False) -> list[MutationEvent]:
         """Boundary findings as events: values or memory that changed with no op reporting it."""
         from kvguard import _diff
         from kvguard._judge import UNOBSERVED_DIFF, unobserved_event
 
         site = site or self.exit_site or _frames.user_site()
         events = []
-        for change in self._protected.boundary_changes(list(_frames.user_frames(sys._getframe(1)))):
+        for change in self._protected.boundary_changes(list(_frames.user_frames(sys._getframe(1))), rescan):
             tensor = change.tensor
             if change.kind == "values":
                 before = f"digest {_digest_text(change.was)}"

@@ -23,7 +23,7 @@ from kvguard import _frames, _torch
 from kvguard._judge import After, WriteJudge
 
 def outside_dynamo(fn: Any) -> Any:
-    return torch._disable_dynamo(fn)  # type: ignore[attr-defined]
+    return getattr(torch, "_disable_dynamo")(fn)
 
 
 # op name as the backend spells it ("aten::mul_.Tensor") -> its OpOverload

@@ -53,7 +53,7 @@ def install() -> int:
             namespace = name.partition("::")[0]
             try:
                 if namespace not in libraries:
-                    libraries[namespace] = torch.library.Library(namespace, "IMPL")
+                    libraries[namespace] = torch.library.Library(namespace, "IMPL")  # type: ignore[no-untyped-call]
                 _register(libraries[namespace], name, func)
             except Exception:  # noqa: BLE001 - an op torch.library refuses: left to the exit check
                 continue
@@ -152,9 +152,9 @@ def _register(library: Any, name: str, func: Any) -> None:
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         state = _state
-        if not state.enabled or getattr(_local, "depth", 0):
+        if not state.enabled or getattr(_local, "depth", False):
             return call_original(keyset, args, kwargs)
-        _local.depth = 1
+        _local.depth = True
         try:
             state.writes += 1
             watch = state.watch
@@ -176,10 +176,10 @@ def _register(library: Any, name: str, func: Any) -> None:
             after()
             return out
         finally:
-            _local.depth = 0
+            _local.depth = False
 
     # Runs inside ops, also while Dynamo traces a compiled function: never traced itself.
-    library.impl(name.partition("::")[2], torch._disable_dynamo(kernel), _KEY, with_keyset=True)
+    library.impl(name.partition("::")[2], getattr(torch, "_disable_dynamo")(kernel), _KEY, with_keyset=True)
 
 
 def _as_tensors(args: tuple[Any, ...], kwargs: dict[str, Any], params: list[tuple[int, str, bool]]) -> tuple[Any, ...]:

@@ -62,7 +62,7 @@ class ModeAttachment:
 
     def __init__(self, judge: WriteJudge) -> None:
         self.mode = MutationGuardMode(judge)
-        self.mode.__enter__()
+        self.mode.__enter__()  # type: ignore[no-untyped-call]
 
     @property
     def ops(self) -> int:

@@ -20,8 +20,9 @@ SCRIPT = ROOT / "benchmarks" / "bench_suite.py"
 RATIO_ROWS = ["adv_ppo_gae", "adv_grpo", "adv_reinforce_pp", "adv_wide", "train_adamw_foreach",
               "train_adamw_fused", "micro_reads", "micro_inplace_20", "micro_inplace_100"]
 ENTRY_EXIT_ROWS = ["entry_exit_1MB", "entry_exit_100MB", "entry_exit_49t", "entry_exit_1500t"]
-CONTENDERS = ["unguarded", "empty mode", "kvguard full", "kvguard full, fp off", "kvguard light",
-              "clone + compare", "SchemaCheckMode", "DebugMode"]
+CONTENDERS = ["unguarded", "kvguard installed, no guard", "empty mode", "kvguard compiled", "kvguard kernels",
+              "kvguard mode", "kvguard compiled, fp off", "kvguard light", "clone + compare", "SchemaCheckMode",
+              "DebugMode"]
 # a cell: "a / b" (one figure per repeat), "skip [n]" (cannot run: footnote n), "~x [n]" (one run)
 CELL = re.compile(r"^(\d[\d,]*\.?\d* / \d[\d,]*\.?\d*|skip \[\d+\]|~\d[\d,]*\.?\d* \[\d+\])$")
 
@@ -69,7 +70,8 @@ def test_ci_size_prints_every_row_and_column() -> None:
                 assert CELL.match(cell), f"{name} / {col}: {cell!r}\n{out}"
     # kvguard, the baselines and DebugMode run every workload (SchemaCheckMode cannot run
     # an optimizer step: its footnote says so)
-    must_run = ["empty mode", "kvguard full", "kvguard full, fp off", "kvguard light", "DebugMode"]
+    must_run = ["kvguard installed, no guard", "empty mode", "kvguard compiled", "kvguard kernels", "kvguard mode",
+                "kvguard compiled, fp off", "kvguard light", "DebugMode"]
     for header, rows in tables:
         for name, cells in rows.items():
             for col in must_run + ["unguarded ms", "unguarded", "clone + compare"]:
@@ -86,7 +88,7 @@ def test_only_selects_workloads_by_name_or_prefix() -> None:
     out = _run("--size", "ci", "--rounds", "1", "--repeats", "1", "--only", "micro_reads,entry_exit_49")
     tables = _tables(out)
     assert [list(rows) for _, rows in tables] == [["micro_reads"], ["entry_exit_49t"], ["entry_exit_49t"]], out
-    cell = tables[0][1]["micro_reads"][tables[0][0].index("kvguard full")]
+    cell = tables[0][1]["micro_reads"][tables[0][0].index("kvguard compiled")]
     assert re.match(r"^\d+\.\d+$", cell), cell  # one repeat: one figure
 
 

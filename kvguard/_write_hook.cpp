@@ -1,0 +1,850 @@
+// kvguard._write_hook: a process-wide hook on every writing op, at C++ speed.
+//
+// One boxed kernel is stacked on the ADInplaceOrView dispatch key of every operator overload
+// whose schema writes an argument (`Tensor(a!)`, `Tensor(a!)?`, `Tensor(a!)[]`), in every
+// namespace registered when install() runs, plus the writes schemas do not declare that
+// kvguard._torch lists (batch norm's running statistics when training, c10d's in-place
+// collectives). ADInplaceOrView is in the default TLS include
+// set and is where torch bumps version counters, so every in-place and `out=` call passes it;
+// ops that write nothing never reach this code. The kernel judges only the outermost writing
+// op of a thread (a thread-local depth counter), checks the written tensors' storage byte
+// ranges against the protected intervals, and calls a Python callback only on a possible hit.
+// It then runs the kernel that was there before (stored at install time) or, where there was
+// none, redispatches past ADInplaceOrView: autograd and version counters see no difference.
+//
+// Python API (all called with the GIL; the setters publish atomically to writing threads):
+//   install(undeclared=None, c10d_names=None) -> int, uninstall(), installed() -> bool,
+//   hooked_ops() -> list[str] ("ns::name.overload", "default" for the unnamed overload)
+//   set_enabled(bool), enabled() -> bool, set_send_all(bool), writes() -> int
+//   set_intervals(list[tuple[int, int]]), set_identities(list[int])
+//   set_watch(callable | None): called with no arguments before each judged write
+//   set_callback(callable | None): callback(op_name, written_tensors) on a possible hit,
+//     op_name like "aten::mul_.Tensor"; it returns None, or `after`, called as `after()`
+//     once the write is done or `after(True)` if the op raised. An exception from watch,
+//     callback or after comes out of the op as itself; from watch or callback, before the
+//     write.
+//
+// Caveats (see also the notes in kvguard/_build.py):
+//  - Ops registered after install() are not hooked; call uninstall() + install() to pick
+//    them up.
+//  - install() and uninstall() must be called from one thread while no other thread runs
+//    torch ops: dispatcher registration is not thread-safe against concurrent dispatch.
+//    Toggle with set_enabled() instead (an atomic flag read once per writing op).
+//  - The kernel each op had on the key is captured at install(). If another hook on this
+//    key was installed before this one and is removed while this one stays, the ops it
+//    covered raise a RuntimeError saying so (torch invalidates the captured kernel):
+//    remove hooks in the reverse order of installing them (kvguard's engines keep one).
+//  - Inference tensors written inside torch.inference_mode() never reach the key.
+//  - The binary uses torch's unstable C++ API: it must be built for this torch version,
+//    this CPython version and this platform (kvguard/_build.py keys its cache on all three).
+//
+// Build: see kvguard/_build.py (one translation unit, the compiler called directly).
+
+#include <Python.h>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/DispatchKeySet.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using Interval = std::pair<uintptr_t, uintptr_t>;
+using Intervals = std::vector<Interval>;
+
+// What is protected, replaced whole (never changed in place) so that a writing op on any
+// thread reads one consistent snapshot while Python publishes the next.
+struct Protected {
+  Intervals intervals;               // sorted, disjoint, non-empty [start, stop) byte ranges
+  std::vector<uintptr_t> identities; // sorted TensorImpl addresses (Python's `tensor._cdata`)
+};
+
+// ---- process-global state ------------------------------------------------------------
+// Flags are read without the GIL on every writing op; the Python callables are read and
+// written only with the GIL held (the has_* flags let the fast path skip taking it).
+std::atomic<bool> g_enabled{false};
+std::atomic<bool> g_send_all{false};
+std::atomic<bool> g_has_callback{false};
+std::atomic<bool> g_has_watch{false};
+std::atomic<uint64_t> g_writes{0};
+std::shared_ptr<const Protected> g_protected;  // std::atomic_load / std::atomic_store only
+PyObject* g_callback = nullptr;                 // GIL-protected, owned reference
+PyObject* g_watch = nullptr;                    // GIL-protected, owned reference
+
+// Registration state, touched only by install()/uninstall() (with the GIL). Heap-allocated
+// and never destroyed at exit: deregistering kernels during static destruction could run
+// after the dispatcher itself is gone.
+std::vector<std::unique_ptr<torch::Library>>* g_libraries = nullptr;
+std::vector<std::string>* g_hooked = nullptr;
+
+thread_local int t_depth = 0;
+
+struct DepthGuard {
+  DepthGuard() { ++t_depth; }
+  ~DepthGuard() { --t_depth; }
+  DepthGuard(const DepthGuard&) = delete;
+  DepthGuard& operator=(const DepthGuard&) = delete;
+};
+
+struct Gil {
+  PyGILState_STATE state;
+  Gil() : state(PyGILState_Ensure()) {}
+  ~Gil() { PyGILState_Release(state); }
+  Gil(const Gil&) = delete;
+  Gil& operator=(const Gil&) = delete;
+};
+
+// An owned reference, released when it goes out of scope (the GIL must be held then).
+struct PyRef {
+  PyObject* p;
+  ~PyRef() { Py_XDECREF(p); }
+};
+
+bool python_alive() {
+  if (!Py_IsInitialized()) return false;
+#if PY_VERSION_HEX >= 0x030D0000
+  return !Py_IsFinalizing();
+#else
+  return !_Py_IsFinalizing();
+#endif
+}
+
+// Turns the pending Python exception into a C++ exception that torch's Python bindings
+// (HANDLE_TH_ERRORS) and its autograd engine hand back to Python unchanged. Needs the GIL.
+// Not python_error::persist(): it builds what() from str(exception), and kvguard's guard
+// counts reads of a MutationError's message (an error nobody read is raised again at exit).
+[[noreturn]] void throw_python_error() {
+  python_error err;
+  PyErr_Fetch(&err.type, &err.value, &err.traceback);
+  const char* type_name =
+      err.type != nullptr && PyType_Check(err.type) ? ((PyTypeObject*)err.type)->tp_name : "?";
+  err.message = std::string(type_name) + " raised in a kvguard write-hook callback";
+  throw std::move(err);
+}
+
+// With a Python exception pending: make the C++ exception `context` its __context__, as
+// Python does for an exception raised while another is handled. Needs the GIL.
+void chain_context(const std::exception_ptr& context) {
+  PyObject *type = nullptr, *value = nullptr, *tb = nullptr;
+  PyErr_Fetch(&type, &value, &tb);
+  PyErr_NormalizeException(&type, &value, &tb);
+  torch::translate_exception_to_python(context);  // sets the Python form of `context`
+  PyObject *ctype = nullptr, *cvalue = nullptr, *ctb = nullptr;
+  PyErr_Fetch(&ctype, &cvalue, &ctb);
+  PyErr_NormalizeException(&ctype, &cvalue, &ctb);
+  if (value != nullptr && cvalue != nullptr && value != cvalue) {
+    if (ctb != nullptr) PyException_SetTraceback(cvalue, ctb);
+    PyException_SetContext(value, cvalue);  // steals the reference
+    cvalue = nullptr;
+  }
+  Py_XDECREF(ctype);
+  Py_XDECREF(cvalue);
+  Py_XDECREF(ctb);
+  PyErr_Restore(type, value, tb);
+}
+
+class SilentWarnings final : public c10::WarningHandler {
+ public:
+  void process(const c10::Warning& /*warning*/) override {}
+};
+
+// ---- the check ---------------------------------------------------------------------------
+
+// Whether `t` could be (part of) a protected tensor: one of the protected identities, or
+// storage that overlaps a protected interval. Tensors whose memory cannot be read from
+// metadata (no storage, not strided, a data pointer that throws or is null: sparse, meta,
+// fake, wrapper subclasses, empty tensors) always are: Python decides by identity.
+bool is_candidate(const at::Tensor& t, const Protected* protected_) {
+  const Intervals* intervals = protected_ == nullptr ? nullptr : &protected_->intervals;
+  if (protected_ != nullptr && !protected_->identities.empty() &&
+      std::binary_search(protected_->identities.begin(), protected_->identities.end(),
+                         reinterpret_cast<uintptr_t>(t.unsafeGetTensorImpl()))) {
+    return true;
+  }
+  try {
+    if (!t.has_storage() || t.layout() != c10::kStrided) return true;
+    const c10::Storage& storage = t.storage();
+    const void* data = storage.data();  // const access: never materializes a COW storage
+    if (data == nullptr) return true;
+    const size_t nbytes = storage.nbytes();
+    if (intervals == nullptr || intervals->empty() || nbytes == 0) return false;
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(data);
+    const uintptr_t hi = lo + nbytes;
+    // Intervals are sorted, disjoint and non-empty, so their stops are increasing: the
+    // first interval that ends after `lo` is the only one that can start before `hi`.
+    auto it = std::upper_bound(
+        intervals->begin(), intervals->end(), lo,
+        [](uintptr_t value, const Interval& iv) { return value < iv.second; });
+    return it != intervals->end() && it->first < hi;
+  } catch (...) {
+    return true;
+  }
+}
+
+template <class F>
+void for_each_tensor(const c10::IValue& v, F& f) {
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    if (t.defined()) f(t);
+  } else if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorList()) {
+      if (t.defined()) f(t);
+    }
+  } else if (v.isList()) {  // Tensor?[], Tensor[][]
+    for (const c10::IValue& e : v.toListRef()) for_each_tensor(e, f);
+  }
+}
+
+// `dst.copy_(src)` where both are the same view of the same memory changes nothing: it is
+// what Python's `k[-1] += r` does after the in-place add on the view (setitem copies the
+// view onto itself).
+bool is_self_copy(const at::Tensor& dst, const at::Tensor& src) {
+  if (!dst.defined() || !src.defined()) return false;
+  if (dst.unsafeGetTensorImpl() == src.unsafeGetTensorImpl()) return true;
+  try {
+    return dst.dtype() == src.dtype() && dst.device() == src.device() &&
+        dst.is_conj() == src.is_conj() && dst.is_neg() == src.is_neg() &&
+        dst.sizes() == src.sizes() && dst.strides() == src.strides() &&
+        dst.storage_offset() == src.storage_offset() &&
+        dst.const_data_ptr() == src.const_data_ptr();
+  } catch (...) {
+    return false;
+  }
+}
+
+// ---- the kernel --------------------------------------------------------------------------
+
+// An argument the op writes; `when` >= 0: only on calls where that bool argument is true.
+struct WrittenArg {
+  size_t index;
+  int when = -1;
+};
+
+struct HookKernel final : public c10::OperatorKernel {
+  std::string name;               // "ns::name.overload"
+  std::vector<WrittenArg> written;
+  size_t num_args = 0;
+  bool is_copy = false;           // aten::copy_
+  std::optional<c10::SafeKernelFunction> original;  // none: redispatch past the key
+
+  void call_original(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                     torch::jit::Stack* stack) const {
+    if (original.has_value()) {
+      try {
+        original->callBoxed(op, ks, stack);
+      } catch (const c10::Error& e) {
+        // Thrown before the kernel runs when the kernel that was under ours at install()
+        // has since been deregistered (another hook on this key, removed first).
+        if (e.msg().rfind("SafeKernelFunction has been invalidated", 0) != 0) throw;
+        TORCH_CHECK(false, "kvguard write hook: the ADInplaceOrView kernel that was under "
+                    "kvguard's for ", name, " was removed after kvguard._write_hook.install(); "
+                    "remove hooks on this key in the reverse order of installing them, or call "
+                    "uninstall() and install() again");
+      }
+    } else {
+      op.redispatchBoxed(
+          ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER,
+                                   c10::DispatchKey::ADInplaceOrView),
+          stack);
+    }
+  }
+
+  // Calls f(tensor) for every tensor this call writes.
+  template <class F>
+  void for_each_written(const torch::jit::Stack& stack, size_t base, F&& f) const {
+    for (const WrittenArg& arg : written) {
+      if (arg.when >= 0) {
+        const c10::IValue& condition = stack[base + (size_t)arg.when];
+        if (condition.isBool() && !condition.toBool()) continue;
+      }
+      for_each_tensor(stack[base + arg.index], f);
+    }
+  }
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                  torch::jit::Stack* stack) {
+    if (!g_enabled.load(std::memory_order_relaxed) || t_depth > 0) {
+      call_original(op, ks, stack);
+      return;
+    }
+    DepthGuard depth;
+    g_writes.fetch_add(1, std::memory_order_relaxed);
+
+    if (g_has_watch.load(std::memory_order_relaxed) && python_alive()) {
+      Gil gil;
+      if (g_watch != nullptr) {
+        PyObject* watch = g_watch;
+        Py_INCREF(watch);
+        PyObject* r = PyObject_CallNoArgs(watch);
+        Py_DECREF(watch);
+        if (r == nullptr) throw_python_error();
+        Py_DECREF(r);
+      }
+    }
+
+    const size_t base = stack->size() - num_args;
+    if (is_copy && is_self_copy((*stack)[base].toTensor(), (*stack)[base + 1].toTensor())) {
+      call_original(op, ks, stack);
+      return;
+    }
+
+    bool hit = false;
+    if (g_has_callback.load(std::memory_order_relaxed)) {
+      std::shared_ptr<const Protected> protected_;
+      const bool send_all = g_send_all.load(std::memory_order_relaxed);
+      if (!send_all) protected_ = std::atomic_load(&g_protected);
+      for_each_written(*stack, base, [&](const at::Tensor& t) {
+        if (!hit && (send_all || is_candidate(t, protected_.get()))) hit = true;
+      });
+    }
+    if (!hit || !python_alive()) {
+      call_original(op, ks, stack);
+      return;
+    }
+
+    PyObject* after = nullptr;
+    {
+      Gil gil;
+      if (g_callback != nullptr) {
+        std::vector<at::Tensor> tensors;
+        for_each_written(*stack, base, [&](const at::Tensor& t) { tensors.push_back(t); });
+        Py_INCREF(g_callback);
+        PyRef callback{g_callback};  // owned refs, released before the GIL (declared after it)
+        PyRef py_name{PyUnicode_FromStringAndSize(name.data(), (Py_ssize_t)name.size())};
+        PyRef py_tensors{PyTuple_New((Py_ssize_t)tensors.size())};
+        bool ok = py_name.p != nullptr && py_tensors.p != nullptr;
+        for (size_t i = 0; ok && i < tensors.size(); ++i) {
+          PyObject* w = THPVariable_Wrap(tensors[i]);
+          if (w == nullptr) {
+            ok = false;
+          } else {
+            PyTuple_SET_ITEM(py_tensors.p, (Py_ssize_t)i, w);
+          }
+        }
+        PyObject* result = ok
+            ? PyObject_CallFunctionObjArgs(callback.p, py_name.p, py_tensors.p, nullptr)
+            : nullptr;
+        if (result == nullptr) throw_python_error();
+        if (result == Py_None) {
+          Py_DECREF(result);
+        } else if (!PyCallable_Check(result)) {
+          PyErr_Format(PyExc_TypeError,
+                       "kvguard write hook: the callback for %s returned %R; expected None "
+                       "or a callable to run after the write",
+                       name.c_str(), result);
+          Py_DECREF(result);
+          throw_python_error();
+        } else {
+          after = result;
+        }
+      }
+    }  // the GIL is released while the original kernel runs
+
+    try {
+      call_original(op, ks, stack);
+    } catch (...) {
+      // torch refused the write, maybe after part of it landed: `after(True)` reports what
+      // changed, then the op's own exception goes on (the context of one `after` raises).
+      std::exception_ptr failure = std::current_exception();
+      if (after != nullptr && python_alive()) {
+        Gil gil;
+        PyObject* r = PyObject_CallOneArg(after, Py_True);
+        Py_DECREF(after);
+        if (r == nullptr) {
+          chain_context(failure);
+          throw_python_error();
+        }
+        Py_DECREF(r);
+      }
+      std::rethrow_exception(failure);
+    }
+    if (after != nullptr && python_alive()) {
+      Gil gil;
+      PyObject* r = PyObject_CallNoArgs(after);
+      Py_DECREF(after);
+      if (r == nullptr) throw_python_error();
+      Py_DECREF(r);
+    }
+  }
+};
+
+bool writes_argument(const c10::AliasInfo* info) {
+  if (info == nullptr) return false;
+  if (info->isWrite()) return true;
+  for (const c10::AliasInfo& contained : info->containedTypes()) {
+    if (writes_argument(&contained)) return true;
+  }
+  return false;
+}
+
+bool holds_tensors(const c10::TypePtr& type) {
+  if (type->kind() == c10::TypeKind::TensorType) return true;
+  if (auto opt = type->cast<c10::OptionalType>()) return holds_tensors(opt->getElementType());
+  if (auto list = type->cast<c10::ListType>()) return holds_tensors(list->getElementType());
+  return false;
+}
+
+std::string display_name(const c10::OperatorName& name) {
+  return name.name + "." + (name.overload_name.empty() ? std::string("default") : name.overload_name);
+}
+
+// ---- the Python API ----------------------------------------------------------------------
+
+#define KVGUARD_TRY try {
+#define KVGUARD_CATCH                                     \
+  }                                                       \
+  catch (python_error & e) {                              \
+    e.restore();                                          \
+    return nullptr;                                       \
+  }                                                       \
+  catch (const std::exception& e) {                       \
+    PyErr_SetString(PyExc_RuntimeError, e.what());        \
+    return nullptr;                                       \
+  }
+
+// Writes that schemas do not declare, from Python (kvguard._torch holds the tables).
+struct UndeclaredRule {
+  std::vector<std::string> names;  // parameters written
+  std::string when;                // a bool parameter that must be true; empty: always
+};
+
+struct ExtraWrites {
+  std::map<std::string, UndeclaredRule> undeclared;  // "ns::name" or "ns::name.overload"
+  std::vector<std::string> c10d_names;  // written params of c10d's in-place collectives
+};
+
+bool read_strings(PyObject* obj, std::vector<std::string>* out, const char* what) {
+  PyObject* seq = PySequence_Fast(obj, what);
+  if (seq == nullptr) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const char* text = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(seq, i));
+    if (text == nullptr) {
+      Py_DECREF(seq);
+      return false;
+    }
+    out->emplace_back(text);
+  }
+  Py_DECREF(seq);
+  return true;
+}
+
+// `undeclared`: {op name: (param names, condition param or None)}; `c10d_names`: names.
+// None for either reads it from kvguard._torch (empty if that cannot be imported).
+bool read_extra_writes(PyObject* undeclared, PyObject* c10d_names, ExtraWrites* out) {
+  PyObject* torch_module = nullptr;
+  if (undeclared == Py_None || c10d_names == Py_None) {
+    torch_module = PyImport_ImportModule("kvguard._torch");
+    if (torch_module == nullptr) PyErr_Clear();
+  }
+  PyObject* owned_undeclared = nullptr;
+  PyObject* owned_names = nullptr;
+  if (undeclared == Py_None && torch_module != nullptr) {
+    undeclared = owned_undeclared = PyObject_GetAttrString(torch_module, "_UNDECLARED_WRITES");
+    if (undeclared == nullptr) PyErr_Clear();
+  }
+  if (c10d_names == Py_None && torch_module != nullptr) {
+    c10d_names = owned_names = PyObject_GetAttrString(torch_module, "_C10D_WRITTEN_NAMES");
+    if (c10d_names == nullptr) PyErr_Clear();
+  }
+  Py_XDECREF(torch_module);
+  bool ok = true;
+  if (undeclared != nullptr && undeclared != Py_None) {
+    PyObject* items = PyMapping_Items(undeclared);
+    ok = items != nullptr;
+    for (Py_ssize_t i = 0; ok && i < PyList_GET_SIZE(items); ++i) {
+      PyObject *key = nullptr, *names = nullptr, *when = nullptr;
+      PyObject* value = nullptr;
+      if (!PyArg_ParseTuple(PyList_GET_ITEM(items, i), "UO", &key, &value) ||
+          !PyArg_ParseTuple(value, "OO", &names, &when)) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError,
+                        "install: undeclared must map 'ns::op[.overload]' to (names, when)");
+        ok = false;
+        break;
+      }
+      UndeclaredRule rule;
+      ok = read_strings(names, &rule.names, "install: undeclared names must be a list of str");
+      if (ok && when != Py_None) {
+        const char* text = PyUnicode_AsUTF8(when);
+        ok = text != nullptr;
+        if (ok) rule.when = text;
+      }
+      if (ok) out->undeclared[PyUnicode_AsUTF8(key)] = std::move(rule);
+    }
+    Py_XDECREF(items);
+  }
+  if (ok && c10d_names != nullptr && c10d_names != Py_None) {
+    PyObject* listed = PySequence_List(c10d_names);  // sets and frozensets too
+    ok = listed != nullptr &&
+        read_strings(listed, &out->c10d_names, "install: c10d_names must be strings");
+    Py_XDECREF(listed);
+  }
+  Py_XDECREF(owned_undeclared);
+  Py_XDECREF(owned_names);
+  return ok;
+}
+
+PyObject* py_install(PyObject*, PyObject* args, PyObject* kwargs) {
+  KVGUARD_TRY
+  static const char* keywords[] = {"undeclared", "c10d_names", nullptr};
+  PyObject* undeclared_arg = Py_None;
+  PyObject* c10d_arg = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OO:install", const_cast<char**>(keywords),
+                                   &undeclared_arg, &c10d_arg)) {
+    return nullptr;
+  }
+  if (g_libraries != nullptr) return PyLong_FromSize_t(g_hooked->size());
+  ExtraWrites extra;
+  if (!read_extra_writes(undeclared_arg, c10d_arg, &extra)) return nullptr;
+  SilentWarnings silent;  // "Overriding a previously registered kernel": stacking is the point
+  c10::WarningUtils::WarningHandlerGuard warning_guard(&silent);
+  auto libraries = std::make_unique<std::vector<std::unique_ptr<torch::Library>>>();
+  auto hooked = std::make_unique<std::vector<std::string>>();
+  std::map<std::string, torch::Library*> by_namespace;
+  auto& dispatcher = c10::Dispatcher::singleton();
+  const std::vector<c10::OperatorName> names = dispatcher.getAllOpNames();
+  for (const c10::OperatorName& op_name : names) {
+    std::optional<c10::OperatorHandle> op = dispatcher.findOp(op_name);
+    if (!op.has_value() || !op->hasSchema()) continue;
+    const auto ns = op_name.getNamespace();
+    if (!ns.has_value()) continue;
+    const c10::FunctionSchema& schema = op->schema();
+    auto kernel = std::make_unique<HookKernel>();
+    const auto& arguments = schema.arguments();
+    auto position = [&](const std::string& param) -> int {
+      for (size_t i = 0; i < arguments.size(); ++i) {
+        if (arguments[i].name() == param) return (int)i;
+      }
+      return -1;
+    };
+    std::vector<bool> is_written(arguments.size(), false);
+    for (size_t i = 0; i < arguments.size(); ++i) {
+      if (writes_argument(arguments[i].alias_info()) && holds_tensors(arguments[i].real_type())) {
+        kernel->written.push_back({i, -1});
+        is_written[i] = true;
+      }
+    }
+    // c10d's in-place collectives declare no writes: their output parameters, by name.
+    if (kernel->written.empty() && *ns == "c10d" && !op_name.name.empty() &&
+        op_name.name.back() == '_') {
+      for (size_t i = 0; i < arguments.size(); ++i) {
+        if (std::find(extra.c10d_names.begin(), extra.c10d_names.end(), arguments[i].name()) !=
+                extra.c10d_names.end() && holds_tensors(arguments[i].real_type())) {
+          kernel->written.push_back({i, -1});
+          is_written[i] = true;
+        }
+      }
+    }
+    auto rule = extra.undeclared.find(
+        op_name.overload_name.empty() ? op_name.name : op_name.name + "." + op_name.overload_name);
+    if (rule != extra.undeclared.end()) {
+      // A renamed condition parameter leaves `when` -1: every call counts as writing.
+      const int when = rule->second.when.empty() ? -1 : position(rule->second.when);
+      for (const std::string& param : rule->second.names) {
+        const int i = position(param);
+        if (i >= 0 && !is_written[(size_t)i] && holds_tensors(arguments[(size_t)i].real_type())) {
+          kernel->written.push_back({(size_t)i, when});
+          is_written[(size_t)i] = true;
+        }
+      }
+      std::sort(kernel->written.begin(), kernel->written.end(),
+                [](const WrittenArg& a, const WrittenArg& b) { return a.index < b.index; });
+    }
+    if (kernel->written.empty()) continue;
+    kernel->num_args = arguments.size();
+    kernel->name = display_name(op_name);
+    kernel->is_copy = op_name.name == "aten::copy_" && op_name.overload_name.empty() &&
+        arguments.size() >= 2;
+    // The original must be taken before ours is registered: afterwards the computed kernel
+    // for the key is ours.
+    constexpr auto key = c10::DispatchKey::ADInplaceOrView;
+    if (op->hasKernelForDispatchKey(key) && !op->isKernelFallthroughKernel(key)) {
+      kernel->original.emplace(op->getComputedKernelForDispatchKey(key));
+    }
+    std::string ns_name(*ns);
+    torch::Library*& lib = by_namespace[ns_name];
+    if (lib == nullptr) {
+      libraries->push_back(std::make_unique<torch::Library>(
+          torch::Library::IMPL, ns_name, key, __FILE__, __LINE__));
+      lib = libraries->back().get();
+    }
+    const std::string qualified =
+        op_name.overload_name.empty() ? op_name.name : op_name.name + "." + op_name.overload_name;
+    std::string shown = kernel->name;
+    try {
+      lib->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::move(kernel)));
+    } catch (const c10::Error&) {
+      continue;  // an op that refuses a kernel on this key stays unhooked
+    }
+    hooked->push_back(std::move(shown));
+  }
+  g_libraries = libraries.release();
+  g_hooked = hooked.release();
+  return PyLong_FromSize_t(g_hooked->size());
+  KVGUARD_CATCH
+}
+
+PyObject* py_uninstall(PyObject*, PyObject*) {
+  KVGUARD_TRY
+  if (g_libraries != nullptr) {
+    SilentWarnings silent;
+    c10::WarningUtils::WarningHandlerGuard warning_guard(&silent);
+    delete g_libraries;  // each Library deregisters its kernels: the originals are back
+    g_libraries = nullptr;
+    delete g_hooked;
+    g_hooked = nullptr;
+  }
+  Py_RETURN_NONE;
+  KVGUARD_CATCH
+}
+
+PyObject* py_installed(PyObject*, PyObject*) {
+  return PyBool_FromLong(g_libraries != nullptr);
+}
+
+PyObject* py_hooked_ops(PyObject*, PyObject*) {
+  const size_t n = g_hooked == nullptr ? 0 : g_hooked->size();
+  PyObject* list = PyList_New((Py_ssize_t)n);
+  if (list == nullptr) return nullptr;
+  for (size_t i = 0; i < n; ++i) {
+    const std::string& s = (*g_hooked)[i];
+    PyObject* item = PyUnicode_FromStringAndSize(s.data(), (Py_ssize_t)s.size());
+    if (item == nullptr) {
+      Py_DECREF(list);
+      return nullptr;
+    }
+    PyList_SET_ITEM(list, (Py_ssize_t)i, item);
+  }
+  return list;
+}
+
+PyObject* py_set_enabled(PyObject*, PyObject* arg) {
+  const int on = PyObject_IsTrue(arg);
+  if (on < 0) return nullptr;
+  g_enabled.store(on != 0, std::memory_order_relaxed);
+  Py_RETURN_NONE;
+}
+
+PyObject* py_enabled(PyObject*, PyObject*) {
+  return PyBool_FromLong(g_enabled.load(std::memory_order_relaxed));
+}
+
+PyObject* py_set_send_all(PyObject*, PyObject* arg) {
+  const int on = PyObject_IsTrue(arg);
+  if (on < 0) return nullptr;
+  g_send_all.store(on != 0, std::memory_order_relaxed);
+  Py_RETURN_NONE;
+}
+
+bool read_address(PyObject* obj, uintptr_t* out, const char* what) {
+  if (!PyLong_Check(obj) || PyBool_Check(obj)) {
+    PyErr_Format(PyExc_TypeError, "%s: addresses must be ints, not %.100s", what,
+                 Py_TYPE(obj)->tp_name);
+    return false;
+  }
+  const unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    PyErr_Format(PyExc_ValueError, "%s: %R is not a valid address", what, obj);
+    return false;
+  }
+  if (v > static_cast<unsigned long long>(UINTPTR_MAX)) {
+    PyErr_Format(PyExc_ValueError, "%s: %R is not a valid address", what, obj);
+    return false;
+  }
+  *out = static_cast<uintptr_t>(v);
+  return true;
+}
+
+PyObject* py_set_intervals(PyObject*, PyObject* arg) {
+  KVGUARD_TRY
+  PyObject* seq = PySequence_Fast(arg, "set_intervals: expected a list of (start, stop) pairs");
+  if (seq == nullptr) return nullptr;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  auto intervals = std::make_shared<Intervals>();
+  intervals->reserve((size_t)n);
+  uintptr_t prev_stop = 0;
+  bool have_prev = false;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PySequence_Fast_GET_ITEM(seq, i);
+    if (!PyTuple_Check(item) && !PyList_Check(item)) {
+      PyErr_Format(PyExc_TypeError,
+                   "set_intervals: item %zd is a %.100s, expected a (start, stop) pair", i,
+                   Py_TYPE(item)->tp_name);
+      Py_DECREF(seq);
+      return nullptr;
+    }
+    PyObject* pair = PySequence_Fast(item, "");
+    if (pair == nullptr) {
+      Py_DECREF(seq);
+      return nullptr;
+    }
+    uintptr_t start = 0, stop = 0;
+    bool ok = PySequence_Fast_GET_SIZE(pair) == 2;
+    if (!ok) {
+      PyErr_Format(PyExc_TypeError, "set_intervals: item %zd has %zd elements, expected 2", i,
+                   PySequence_Fast_GET_SIZE(pair));
+    }
+    ok = ok && read_address(PySequence_Fast_GET_ITEM(pair, 0), &start, "set_intervals") &&
+        read_address(PySequence_Fast_GET_ITEM(pair, 1), &stop, "set_intervals");
+    Py_DECREF(pair);
+    if (ok && start > stop) {
+      PyErr_Format(PyExc_ValueError, "set_intervals: item %zd has start > stop", i);
+      ok = false;
+    }
+    if (ok && have_prev && start < prev_stop) {
+      PyErr_Format(PyExc_ValueError,
+                   "set_intervals: item %zd starts before the previous one stops; intervals "
+                   "must be sorted and disjoint",
+                   i);
+      ok = false;
+    }
+    if (!ok) {
+      Py_DECREF(seq);
+      return nullptr;
+    }
+    if (start < stop) {  // an empty interval overlaps nothing
+      intervals->emplace_back(start, stop);
+      prev_stop = stop;
+      have_prev = true;
+    }
+  }
+  Py_DECREF(seq);
+  // Updates come from Python with the GIL held, so they never race each other.
+  auto next = std::make_shared<Protected>();
+  if (auto current = std::atomic_load(&g_protected)) next->identities = current->identities;
+  next->intervals = std::move(*intervals);
+  std::shared_ptr<const Protected> frozen = std::move(next);
+  std::atomic_store(&g_protected, std::move(frozen));
+  Py_RETURN_NONE;
+  KVGUARD_CATCH
+}
+
+PyObject* py_set_identities(PyObject*, PyObject* arg) {
+  KVGUARD_TRY
+  PyObject* seq = PySequence_Fast(arg, "set_identities: expected a list of ints (tensor._cdata)");
+  if (seq == nullptr) return nullptr;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  std::vector<uintptr_t> identities;
+  identities.reserve((size_t)n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    uintptr_t v = 0;
+    if (!read_address(PySequence_Fast_GET_ITEM(seq, i), &v, "set_identities")) {
+      Py_DECREF(seq);
+      return nullptr;
+    }
+    identities.push_back(v);
+  }
+  Py_DECREF(seq);
+  std::sort(identities.begin(), identities.end());
+  identities.erase(std::unique(identities.begin(), identities.end()), identities.end());
+  auto next = std::make_shared<Protected>();
+  if (auto current = std::atomic_load(&g_protected)) next->intervals = current->intervals;
+  next->identities = std::move(identities);
+  std::shared_ptr<const Protected> frozen = std::move(next);
+  std::atomic_store(&g_protected, std::move(frozen));
+  Py_RETURN_NONE;
+  KVGUARD_CATCH
+}
+
+bool set_callable(PyObject* arg, PyObject** slot, std::atomic<bool>* flag, const char* what) {
+  if (arg != Py_None && !PyCallable_Check(arg)) {
+    PyErr_Format(PyExc_TypeError, "%s: expected a callable or None, not %.100s", what,
+                 Py_TYPE(arg)->tp_name);
+    return false;
+  }
+  PyObject* old = *slot;
+  if (arg == Py_None) {
+    flag->store(false, std::memory_order_relaxed);
+    *slot = nullptr;
+  } else {
+    Py_INCREF(arg);
+    *slot = arg;
+    flag->store(true, std::memory_order_relaxed);
+  }
+  Py_XDECREF(old);
+  return true;
+}
+
+PyObject* py_set_callback(PyObject*, PyObject* arg) {
+  if (!set_callable(arg, &g_callback, &g_has_callback, "set_callback")) return nullptr;
+  Py_RETURN_NONE;
+}
+
+PyObject* py_set_watch(PyObject*, PyObject* arg) {
+  if (!set_callable(arg, &g_watch, &g_has_watch, "set_watch")) return nullptr;
+  Py_RETURN_NONE;
+}
+
+PyObject* py_writes(PyObject*, PyObject*) {
+  return PyLong_FromUnsignedLongLong(g_writes.load(std::memory_order_relaxed));
+}
+
+PyMethodDef methods[] = {
+    {"install", (PyCFunction)(void (*)(void))py_install, METH_VARARGS | METH_KEYWORDS,
+     "install(undeclared=None, c10d_names=None) -> int\n\nHook every op overload registered "
+     "now that writes an argument (idempotent); returns how many are hooked. Ops registered "
+     "later are not hooked.\nBesides the schema's writes: `undeclared` maps 'ns::op' or "
+     "'ns::op.overload' to (written param names, a bool param that must be true or None), "
+     "and c10d's in-place collectives (`c10d::*_`) write their params named in `c10d_names`; "
+     "None reads both from kvguard._torch.\nCall from one thread while no other thread runs "
+     "torch ops: registration is not safe against concurrent dispatch."},
+    {"uninstall", py_uninstall, METH_NOARGS,
+     "uninstall() -> None\n\nRemove the hooks: the original kernels are back."},
+    {"installed", py_installed, METH_NOARGS, "installed() -> bool"},
+    {"hooked_ops", py_hooked_ops, METH_NOARGS,
+     "hooked_ops() -> list[str]\n\nNames of the hooked overloads, 'ns::name.overload'."},
+    {"set_enabled", py_set_enabled, METH_O,
+     "set_enabled(on: bool) -> None\n\nThe switch: off, a hooked op only calls its original."},
+    {"enabled", py_enabled, METH_NOARGS, "enabled() -> bool"},
+    {"set_send_all", py_set_send_all, METH_O,
+     "set_send_all(on: bool) -> None\n\nCall the callback for every outermost write."},
+    {"set_intervals", py_set_intervals, METH_O,
+     "set_intervals(intervals: list[tuple[int, int]]) -> None\n\nThe protected byte ranges, "
+     "[start, stop), sorted and disjoint."},
+    {"set_identities", py_set_identities, METH_O,
+     "set_identities(identities: list[int]) -> None\n\nProtected tensors by identity "
+     "(`tensor._cdata`): a write to one is a candidate wherever its memory is."},
+    {"set_callback", py_set_callback, METH_O,
+     "set_callback(callback: Callable[[str, tuple[Tensor, ...]], Optional[Callable[..., "
+     "object]]] | None) -> None\n\nCalled on a possible hit with the op's name and every "
+     "tensor it writes; may return `after`, called as after() once the write is done or "
+     "after(True) if the op raised."},
+    {"set_watch", py_set_watch, METH_O,
+     "set_watch(watch: Callable[[], object] | None) -> None\n\nCalled with no arguments "
+     "before every outermost write, while enabled."},
+    {"writes", py_writes, METH_NOARGS,
+     "writes() -> int\n\nHow many outermost writing ops ran while enabled."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    "kvguard._write_hook",
+    "A process-wide C++ hook on every writing op (the ADInplaceOrView key). Built by "
+    "kvguard._build for this torch; see kvguard/_write_hook.cpp.",
+    -1,
+    methods,
+    nullptr,
+    nullptr,
+    nullptr,
+    nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__write_hook(void) {
+  return PyModule_Create(&module_def);
+}
