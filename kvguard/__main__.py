@@ -1,10 +1,14 @@
-"""`python -m kvguard`: run a command with kvguard on, render report files, manage the .pth.
+"""`python -m kvguard`: run a command with kvguard on, render report files, build the write hook, manage the .pth.
 
     python -m kvguard run [--action warn] [--targets T] [--report-dir D] -- CMD ...
     python -m kvguard report DIR_OR_FILE [--by site|event] [--run ID] [--rank R] [--json]
         exit status 0: every run clean; 1: events; 2: no run found (or only malformed input)
     python -m kvguard presets [NAME ...]
         the presets KVGUARD_TARGETS accepts (slime, verl, ...): what each guards, its source and why
+    python -m kvguard build [--rebuild] [--verbose]
+        build (or find) the compiled write hook for the installed torch; exit status 1: it cannot be had
+    python -m kvguard engines
+        whether each engine (compiled, kernels, mode) can be used here, and which one a guard would use
     python -m kvguard install-pth | uninstall-pth
 """
 
@@ -45,6 +49,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     presets = sub.add_parser("presets", help="list the presets KVGUARD_TARGETS accepts and what each guards")
     presets.add_argument("names", nargs="*", metavar="NAME", help="only these presets")
 
+    build = sub.add_parser("build", help="build (or find) the compiled write hook for the installed torch, "
+                                         "ahead of the first guard")
+    build.add_argument("--rebuild", action="store_true",
+                       help="build again, even if a build (or a failed one) is cached (as KVGUARD_REBUILD=1)")
+    build.add_argument("--verbose", "-v", action="store_true", help="print the compiler's output")
+
+    sub.add_parser("engines", help="whether each engine can be used here, and which one a guard would use "
+                                   "(honours KVGUARD_ENGINE)")
+
     sub.add_parser("install-pth", help="activate on KVGUARD in this environment (for editable installs)")
     sub.add_parser("uninstall-pth", help="remove the file install-pth wrote")
 
@@ -71,6 +84,10 @@ def _command(opts: Any) -> int:
 
         print(describe(opts.names))
         return 0
+    if opts.command == "build":
+        return _build_command(opts)
+    if opts.command == "engines":
+        return _engines_command()
     if opts.command == "install-pth":
         print(f"kvguard: wrote {_pth.install()}")
         return 0
@@ -136,6 +153,86 @@ def _report(opts: Any) -> int:
         return 2
     statuses = {run["status"] for run in described}
     return 1 if "events" in statuses else 2 if "unproven" in statuses else 0
+
+
+def _build_command(opts: Any) -> int:
+    """Build or find the compiled write hook and check that it loads; 0: it is there, 1: why not (one line)."""
+    from kvguard import _build
+
+    ok, where = _build_result(rebuild=opts.rebuild or os.environ.get("KVGUARD_REBUILD", "") not in ("", "0"),
+                              verbose=opts.verbose)
+    if ok:
+        try:
+            _build._import(where)
+        except Exception as exc:  # noqa: BLE001 - a broken cache entry is a reason, not a traceback
+            ok, where = False, f"{where} was built but does not load ({type(exc).__name__}: {exc}); " \
+                               "--rebuild builds it again"
+    if not ok:
+        print(f"kvguard: the compiled write hook is not available: {_one_line(where)}", file=sys.stderr)
+        return 1
+    import torch
+
+    print(f"kvguard: the compiled write hook for torch {torch.__version__} is at {where}")
+    return 0
+
+
+def _build_result(*, rebuild: bool, verbose: bool) -> tuple[bool, str]:
+    """(True, the `.so`) or (False, why not): a fresh build with `rebuild`, else the cached one if any."""
+    from kvguard import _build
+
+    if rebuild:
+        return _build.build(verbose=verbose)
+    try:
+        why = _build._unsupported()
+        if why is not None:
+            return False, why
+        ok, where = _build._ensure_built(force=False, verbose=verbose)
+    except Exception as exc:  # noqa: BLE001
+        return False, f"the build failed unexpectedly: {type(exc).__name__}: {exc}"
+    return ok, where.replace("(KVGUARD_REBUILD=1 retries)", "(--rebuild retries)")
+
+
+def _engines_command() -> int:
+    """A line per engine, available or why not, then the one a guard would use now."""
+    import contextlib
+    import io
+
+    try:
+        from kvguard import _engines
+    except ImportError as exc:  # no torch: no engine at all
+        print(f"kvguard: no engine can run here: {exc}", file=sys.stderr)
+        return 1
+    from kvguard import _build
+
+    width = max(map(len, _engines.ENGINES))
+    for name in _engines.ENGINES:
+        why = _engines.why_not(name)  # installs the hook: harmless here, and the only true answer
+        if why is not None:
+            state = f"not available: {_one_line(why)}"
+        elif name == "compiled":
+            state = f"available ({_build.reason()})"
+        else:
+            state = "available"
+        print(f"{name:<{width}}  {state}")
+    # choose() says on stderr what the lines above already said (a fallback, a bad value).
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        chosen = _engines.choose()
+    raw = os.environ.get("KVGUARD_ENGINE", "").strip()
+    if raw.lower() in ("", "auto"):
+        why_chosen = "the first available; KVGUARD_ENGINE=compiled|kernels|mode asks for one"
+    elif raw.lower() not in _engines.ENGINES:
+        why_chosen = f"KVGUARD_ENGINE={raw!r} is not one of auto, {', '.join(_engines.ENGINES)}: the first available"
+    elif raw.lower() != chosen:
+        why_chosen = f"KVGUARD_ENGINE={raw} asks for {raw.lower()}, which is not available: the next one"
+    else:
+        why_chosen = f"KVGUARD_ENGINE={raw}"
+    print(f"a guard would use: {chosen} ({why_chosen})")
+    return 0
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _nothing_found(opts: Any, runs: list[Any]) -> str:

@@ -23,6 +23,7 @@ ENGINES = ("compiled", "kernels", "mode")
 _hook_engines: dict[str, Any] = {}
 _unavailable: dict[str, str] = {}  # engine -> why it cannot be had in this process
 _said: set[str] = set()
+_BUSY = " is in use by an active guard"
 
 
 def requested() -> Optional[str]:
@@ -38,8 +39,14 @@ def requested() -> Optional[str]:
 
 
 def choose() -> str:
-    """The engine the next guard uses: the requested one if it can be had, else the first that can."""
+    """The engine the next guard uses: the requested one if it can be had, else the first that can.
+
+    While a guard uses a write hook, later guards use it too (two hooks cannot be stacked).
+    """
     wanted = requested()
+    busy = next((name for name, hook in _hook_engines.items() if hook.judges), None)
+    if busy is not None and wanted != "mode":
+        return busy
     order = ENGINES[ENGINES.index(wanted):] if wanted is not None else ENGINES
     for name in order:
         why = why_not(name)
@@ -48,6 +55,9 @@ def choose() -> str:
         if name == wanted:
             _say_once(f"fallback:{name}", f"kvguard: KVGUARD_ENGINE={name} is not available ({why}); "
                                           "using the next engine")
+        elif name == "compiled" and not why.endswith(_BUSY):  # not merely busy: slower from here on
+            _say_once("fallback:auto", f"kvguard: the compiled engine is not available ({why}); using a "
+                                       "slower one (KVGUARD_ENGINE=mode or kernels silences this)")
     return "mode"
 
 
@@ -65,7 +75,7 @@ def why_not(name: str) -> Optional[str]:
     for other, hook in list(_hook_engines.items()):
         if other != name:
             if hook.judges:
-                return f"the {other} engine is in use by an active guard"
+                return f"the {other} engine{_BUSY}"
             hook.uninstall()
             del _hook_engines[other]
     if name not in _hook_engines:

@@ -163,8 +163,9 @@ class Guard:
         """Why this call did not run in this process, or None when it ran (or may have).
 
         Asked of the integrations only for a call that left no trace: no exception, no
-        finding, nothing allowed, and (level "full") no op dispatched under the guard.
-        Under level "light", where no op is seen, the integration's word decides.
+        finding, nothing allowed, and no op seen under the guard: no op at all for the
+        `mode` engine, no writing op for the write hooks (they never see reads). Under
+        level "light", where no op is seen, the integration's word decides.
         """
         if exc_type is not None or unobserved or self.report.events or self.report.cut or self._raised:
             return None

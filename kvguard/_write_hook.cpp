@@ -282,6 +282,14 @@ struct HookKernel final : public c10::OperatorKernel {
     }
     DepthGuard depth;
     g_writes.fetch_add(1, std::memory_order_relaxed);
+    // A thread that never ran Python (gloo's workers completing a collective, autograd's
+    // device threads) has no Python caller to name: the op that queued the work was
+    // judged where it was called, and a boundary check sees the rest. Not entering
+    // Python there also keeps interpreter shutdown out of torch's own threads.
+    if (PyGILState_GetThisThreadState() == nullptr) {
+      call_original(op, ks, stack);
+      return;
+    }
 
     if (g_has_watch.load(std::memory_order_relaxed) && python_alive()) {
       Gil gil;

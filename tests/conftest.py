@@ -23,8 +23,13 @@ PER_ENGINE = {"test_guard", "test_channels", "test_odd_tensors", "test_never_cra
               "test_fingerprints", "test_cliffs", "test_undeclared_writes", "test_property", "test_engines"}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "any_engine: in a per-engine module, run once under the automatic choice")
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if metafunc.module.__name__.rpartition(".")[2] in PER_ENGINE and "engine" in metafunc.fixturenames:
+    if (metafunc.module.__name__.rpartition(".")[2] in PER_ENGINE and "engine" in metafunc.fixturenames
+            and metafunc.definition.get_closest_marker("any_engine") is None):
         metafunc.parametrize("engine", ENGINES, indirect=True)
 
 

@@ -223,3 +223,140 @@ def test_action_spelling_is_case_insensitive(plain_python: Path, job: Path, acti
 def test_action_option_sets_the_canonical_spelling(no_exec: list[dict[str, str]]) -> None:
     cli.main(["run", "--action", "RECORD", "--", "python", "x.py"])
     assert [env["KVGUARD"] for env in no_exec] == ["record"]
+
+
+# 5. `build` and `engines`: the compiled write hook ahead of time, and which engine would run.
+
+BUILD_LINE = re.compile(r"kvguard: building the compiled write hook for torch \S+ \(once per torch version, "
+                        r"about 20 s\) into \S+\n")
+NOT_AVAILABLE = "kvguard: the compiled write hook is not available: "
+
+
+@pytest.fixture
+def compiled_cache() -> Path:
+    """The cache directory holding this process's compiled write hook (built now if need be)."""
+    from kvguard import _build
+
+    if _build.load() is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the compiled write hook did not build under CI: {_build.reason()}")
+        pytest.skip(f"the compiled write hook is not available here: {_build.reason()}")
+    return _build.cache_root()
+
+
+def no_compiler(tmp_path: Path) -> dict[str, str]:
+    """No C++ compiler: CXX names a missing one, PATH is an empty directory; an empty cache."""
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    return {"CXX": "/nonexistent/c++", "PATH": str(empty), "KVGUARD_CACHE_DIR": str(tmp_path / "cache")}
+
+
+def fake_compiler(tmp_path: Path, script: str) -> str:
+    path = tmp_path / "fake-c++"
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_build_finds_the_cached_hook(plain_python: Path, tmp_path: Path, compiled_cache: Path) -> None:
+    import torch
+
+    from kvguard import _build
+
+    result = run(plain_python, "-m", "kvguard", "build", cwd=tmp_path, env={"KVGUARD_CACHE_DIR": str(compiled_cache)})
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    match = re.fullmatch(r"kvguard: the compiled write hook for torch (\S+) is at (\S+)\n", result.stdout)
+    assert match is not None, result.stdout
+    assert match[1] == torch.__version__ and Path(match[2]).parent == _build.build_dir()
+    assert Path(match[2]).is_file()
+
+
+@pytest.mark.parametrize("options", [(), ("--rebuild",)], ids=["build", "rebuild"])
+def test_build_without_a_compiler_is_one_line_and_exit_1(plain_python: Path, tmp_path: Path,
+                                                         options: tuple[str, ...]) -> None:
+    env = no_compiler(tmp_path)
+    result = run(plain_python, "-m", "kvguard", "build", *options, cwd=tmp_path, env=env)
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr == (NOT_AVAILABLE + "no C++ compiler (CXX=/nonexistent/c++ was not found; "
+                             "set CXX to a C++ compiler)\n"), result.stderr
+    assert not (tmp_path / "cache").exists()  # a missing compiler is not remembered
+    result = run(plain_python, "-m", "kvguard", "build", *options, cwd=tmp_path, env={**env, "CXX": ""})
+    assert (result.returncode, result.stderr) == (1, NOT_AVAILABLE + "no C++ compiler (set CXX)\n")
+
+
+def test_a_failed_build_is_remembered_until_rebuild(plain_python: Path, tmp_path: Path) -> None:
+    env = {"CXX": fake_compiler(tmp_path, "echo 'error: simulated failure' >&2\nexit 1\n"),
+           "KVGUARD_CACHE_DIR": str(tmp_path / "cache")}
+    first = run(plain_python, "-m", "kvguard", "build", cwd=tmp_path, env=env)
+    assert (first.returncode, first.stdout) == (1, "")
+    building, reason = first.stderr.splitlines(keepends=True)
+    assert BUILD_LINE.fullmatch(building), first.stderr
+    assert re.fullmatch(re.escape(NOT_AVAILABLE) + r"the compiler failed: see (\S+/build\.log)\n", reason), reason
+    [log] = (tmp_path / "cache").rglob("build.log")
+    assert "simulated failure" in log.read_text() and str(log) in reason
+    # Not retried on its own: the same reason, no build, and how to retry.
+    again = run(plain_python, "-m", "kvguard", "build", cwd=tmp_path, env=env)
+    assert (again.returncode, again.stderr) == (1, reason.rstrip("\n") + " (--rebuild retries)\n")
+    for retry in (("--rebuild",), ()):  # --rebuild, or KVGUARD_REBUILD=1 as for a guard
+        result = run(plain_python, "-m", "kvguard", "build", *retry, cwd=tmp_path,
+                     env={**env, **({} if retry else {"KVGUARD_REBUILD": "1"})})
+        assert result.returncode == 1 and result.stderr.count("\n") == 2, result.stderr
+        assert BUILD_LINE.match(result.stderr) and result.stderr.endswith(reason), result.stderr
+
+
+def test_a_built_hook_that_does_not_load_fails_the_build(plain_python: Path, tmp_path: Path) -> None:
+    junk = fake_compiler(tmp_path, 'while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done\n'
+                                   'echo "not a shared object" > "$out"\n')
+    result = run(plain_python, "-m", "kvguard", "build", cwd=tmp_path,
+                 env={"CXX": junk, "KVGUARD_CACHE_DIR": str(tmp_path / "cache")})
+    assert (result.returncode, result.stdout) == (1, "")
+    building, reason = result.stderr.splitlines()
+    assert BUILD_LINE.fullmatch(building + "\n")
+    assert reason.startswith(NOT_AVAILABLE) and "was built but does not load (ImportError: " in reason
+    assert reason.endswith("; --rebuild builds it again")
+
+
+ENGINE_LINE = re.compile(r"(compiled|kernels|mode) +(available|available \(loaded from \S+\)|not available: .+)")
+
+
+def engines(python: Path, cwd: Path, env: dict[str, str]) -> tuple[dict[str, str], str]:
+    """`python -m kvguard engines`: each engine's state, and the last line."""
+    result = run(python, "-m", "kvguard", "engines", cwd=cwd, env=env)
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    *rows, last = result.stdout.splitlines()
+    matches = [ENGINE_LINE.fullmatch(row) for row in rows]
+    assert all(matches) and [m[1] for m in matches if m] == ["compiled", "kernels", "mode"], result.stdout
+    return {m[1]: m[2] for m in matches if m}, last
+
+
+@pytest.mark.parametrize("requested, chosen, why", [
+    (None, "compiled", "the first available; KVGUARD_ENGINE=compiled|kernels|mode asks for one"),
+    ("Kernels", "kernels", "KVGUARD_ENGINE=Kernels"),
+    ("mode", "mode", "KVGUARD_ENGINE=mode"),
+    ("bogus", "compiled", "KVGUARD_ENGINE='bogus' is not one of auto, compiled, kernels, mode: the first available"),
+])
+def test_engines_says_what_is_available_and_what_a_guard_would_use(
+        plain_python: Path, tmp_path: Path, compiled_cache: Path, requested: str | None, chosen: str,
+        why: str) -> None:
+    env = {"KVGUARD_CACHE_DIR": str(compiled_cache), **({"KVGUARD_ENGINE": requested} if requested else {})}
+    states, last = engines(plain_python, tmp_path, env)
+    assert states["compiled"].startswith("available (loaded from " + str(compiled_cache))
+    assert states["kernels"] == states["mode"] == "available"
+    assert last == f"a guard would use: {chosen} ({why})"
+
+
+@pytest.mark.parametrize("requested, why", [
+    (None, "the first available; KVGUARD_ENGINE=compiled|kernels|mode asks for one"),
+    ("compiled", "KVGUARD_ENGINE=compiled asks for compiled, which is not available: the next one"),
+])
+def test_engines_without_a_compiler(plain_python: Path, tmp_path: Path, requested: str | None, why: str) -> None:
+    import torch
+
+    if not hasattr(torch.library, "get_kernel"):
+        pytest.skip(f"torch {torch.__version__} has no write-hook engine")
+    env = {**no_compiler(tmp_path), **({"KVGUARD_ENGINE": requested} if requested else {})}
+    states, last = engines(plain_python, tmp_path, env)
+    assert states == {"compiled": "not available: no C++ compiler (CXX=/nonexistent/c++ was not found; "
+                                  "set CXX to a C++ compiler)", "kernels": "available", "mode": "available"}
+    assert last == f"a guard would use: kernels ({why})"
+    assert not (tmp_path / "cache").exists()

@@ -123,6 +123,10 @@ def test_a_call_that_ran_is_a_guarded_call_even_on_stage_0(stage: Any, body: str
                 rd["kl"][0].mul_(2)
             else:
                 raise ValueError("the guarded code failed")
+    if body == "read" and g.engine != "mode":
+        # A write hook sees writes only: a call that merely read is the integration's word.
+        assert g.not_run == STAGE0
+        return
     assert g.not_run is None
     assert _target_stats(name).calls == 1 and not _target_stats(name).not_run
 
