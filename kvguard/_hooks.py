@@ -23,7 +23,21 @@ from kvguard import _frames, _torch
 from kvguard._judge import After, WriteJudge
 
 def outside_dynamo(fn: Any) -> Any:
-    return getattr(torch, "_disable_dynamo")(fn)
+    """`fn`, never traced by Dynamo, nor anything it calls, at no cost per call.
+
+    Writing ops call into kvguard also while a `torch.compile`d function runs, where
+    Dynamo would try to compile our frames. Marking the code object to be skipped,
+    recursively, costs nothing per call; the `torch._dynamo.disable` wrapper costs
+    ~45 µs per call, which a per-op callback cannot afford.
+    """
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.eval_frame import FrameAction, FrameExecStrategy
+
+        set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+        return fn
+    except Exception:  # noqa: BLE001 - another torch: the slow wrapper
+        return getattr(torch, "_disable_dynamo")(fn)
 
 
 # op name as the backend spells it ("aten::mul_.Tensor") -> its OpOverload
@@ -50,8 +64,14 @@ class HookEngine:
         self._lock = threading.RLock()
         # Called from inside ops, also while Dynamo traces a compiled function: never traced.
         on_write, look = self._on_write, self._look
-        self._on_write = outside_dynamo(lambda name, written: on_write(name, written))  # type: ignore[method-assign]
-        self._look = outside_dynamo(lambda: look())  # type: ignore[method-assign]
+
+        def on_write_outside(name: str, written: Sequence[torch.Tensor]) -> Optional[After]:
+            return on_write(name, written)
+
+        def look_outside() -> None:
+            look()
+        self._on_write = outside_dynamo(on_write_outside)  # type: ignore[method-assign]
+        self._look = outside_dynamo(look_outside)  # type: ignore[method-assign]
         backend.install()
 
     def attach(self, judge: WriteJudge) -> HookAttachment:

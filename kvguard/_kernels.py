@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from kvguard import _torch
+from kvguard._hooks import outside_dynamo
 
 _KEY = "ADInplaceOrView"
 _BELOW = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.ADInplaceOrView)
@@ -179,7 +180,7 @@ def _register(library: Any, name: str, func: Any) -> None:
             _local.depth = False
 
     # Runs inside ops, also while Dynamo traces a compiled function: never traced itself.
-    library.impl(name.partition("::")[2], getattr(torch, "_disable_dynamo")(kernel), _KEY, with_keyset=True)
+    library.impl(name.partition("::")[2], outside_dynamo(kernel), _KEY, with_keyset=True)
 
 
 def _as_tensors(args: tuple[Any, ...], kwargs: dict[str, Any], params: list[tuple[int, str, bool]]) -> tuple[Any, ...]:
