@@ -162,11 +162,9 @@ def _build_command(opts: Any) -> int:
     ok, where = _build_result(rebuild=opts.rebuild or os.environ.get("KVGUARD_REBUILD", "") not in ("", "0"),
                               verbose=opts.verbose)
     if ok:
-        try:
-            _build._import(where)
-        except Exception as exc:  # noqa: BLE001 - a broken cache entry is a reason, not a traceback
-            ok, where = False, f"{where} was built but does not load ({type(exc).__name__}: {exc}); " \
-                               "--rebuild builds it again"
+        broken = _build.check_loads(where)
+        if broken is not None:  # a broken cache entry is a reason, not a traceback
+            ok, where = False, f"{where} was built but does not load ({broken}); --rebuild builds it again"
     if not ok:
         print(f"kvguard: the compiled write hook is not available: {_one_line(where)}", file=sys.stderr)
         return 1
@@ -180,15 +178,7 @@ def _build_result(*, rebuild: bool, verbose: bool) -> tuple[bool, str]:
     """(True, the `.so`) or (False, why not): a fresh build with `rebuild`, else the cached one if any."""
     from kvguard import _build
 
-    if rebuild:
-        return _build.build(verbose=verbose)
-    try:
-        why = _build._unsupported()
-        if why is not None:
-            return False, why
-        ok, where = _build._ensure_built(force=False, verbose=verbose)
-    except Exception as exc:  # noqa: BLE001
-        return False, f"the build failed unexpectedly: {type(exc).__name__}: {exc}"
+    ok, where = _build.build(verbose=verbose, force=rebuild)
     return ok, where.replace("(KVGUARD_REBUILD=1 retries)", "(--rebuild retries)")
 
 

@@ -277,16 +277,25 @@ def reason() -> str:
     return _reason
 
 
-def build(verbose: bool = False) -> tuple[bool, str]:
-    """Builds the extension now, even if a build is cached or failed before.
+def build(verbose: bool = False, force: bool = True) -> tuple[bool, str]:
+    """Builds the extension now (`force`: even if a build is cached or failed before).
 
     For `python -m kvguard build`. Returns (True, path of the `.so`) or (False, why not).
-    Does not load the module.
+    Does not load the module: `check_loads` does.
     """
     try:
         why = _unsupported()
         if why is not None:
             return False, why
-        return _ensure_built(force=True, verbose=verbose)
+        return _ensure_built(force=force, verbose=verbose)
     except Exception as exc:  # noqa: BLE001
         return False, f"the build failed unexpectedly: {type(exc).__name__}: {exc}"
+
+
+def check_loads(so_path: str) -> Optional[str]:
+    """None when the built `.so` at `so_path` imports, else why not (a broken cache entry)."""
+    try:
+        _import(so_path)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return None

@@ -22,6 +22,7 @@ import torch
 from kvguard import _frames, _torch
 from kvguard._judge import After, WriteJudge
 
+
 def outside_dynamo(fn: Any) -> Any:
     """`fn`, never traced by Dynamo, nor anything it calls, at no cost per call.
 
@@ -153,7 +154,7 @@ class HookAttachment:
     """One guard's place among a hook engine's active guards."""
 
     def __init__(self, engine: HookEngine, judge: WriteJudge) -> None:
-        self.engine_ = engine
+        self.hook = engine
         self.engine = engine.name
         self.judge = judge
         self._writes_at_entry = engine.writes()
@@ -161,8 +162,8 @@ class HookAttachment:
     @property
     def ops(self) -> int:
         """Writing ops seen in the process since the guard was entered (reads are not seen)."""
-        return self.engine_.writes() - self._writes_at_entry
+        return self.hook.writes() - self._writes_at_entry
 
     def detach(self, exc_info: tuple[Any, Any, Any]) -> None:
-        self.engine_.detach(self.judge)
+        self.hook.detach(self.judge)
 

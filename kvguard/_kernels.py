@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from kvguard import _torch
-from kvguard._hooks import outside_dynamo
+from kvguard._hooks import outside_dynamo, overload_of
 
 _KEY = "ADInplaceOrView"
 _BELOW = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.ADInplaceOrView)
@@ -116,10 +116,8 @@ def writes() -> int:
 
 
 def _overload(name: str) -> Any:
-    qualified, _, overload = name.partition(".")
-    namespace, _, op = qualified.partition("::")
     try:
-        return getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
+        return overload_of(name)
     except Exception:  # noqa: BLE001 - an op without a Python binding
         return None
 
