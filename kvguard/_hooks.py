@@ -32,10 +32,10 @@ def outside_dynamo(fn: Any) -> Any:
     ~45 µs per call, which a per-op callback cannot afford.
     """
     try:
-        from torch._C._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.eval_frame import FrameAction, FrameExecStrategy
+        from torch._C._dynamo import eval_frame
 
-        set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+        skip = eval_frame._FrameAction.SKIP
+        eval_frame.set_code_exec_strategy(fn.__code__, eval_frame._FrameExecStrategy(skip, skip))
         return fn
     except Exception:  # noqa: BLE001 - another torch: the slow wrapper
         return getattr(torch, "_disable_dynamo")(fn)
