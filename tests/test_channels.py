@@ -829,7 +829,13 @@ def test_unseen_value_writes_are_reported_at_exit(mutate: Callable[[Ctx], None],
     assert not _intact(ctx["k"], snap), "the channel really wrote k"
     # The write hook is process-wide and below custom ops: it sees these two at the op.
     at_op = level == "full" and engine in ("compiled", "kernels") and mutate in (_thread_write, _liar_write)
-    assert [(e.path, e.kind) for e in g.report.events] == [("rd['k']", "write" if at_op else "unobserved")]
+    found = [(e.path, e.kind) for e in g.report.events]
+    if level == "full" and engine in ("compiled", "kernels") and mutate is _inductor_write:
+        # Inductor writes a mutated graph input either in its generated kernel (found at the
+        # boundary) or by an `aten.copy_` in its wrapper (at the op), as its codegen decides.
+        assert found in ([("rd['k']", "unobserved")], [("rd['k']", "write")])
+        return
+    assert found == [("rd['k']", "write" if at_op else "unobserved")]
 
 
 # --------------------------------------------------------------------------------------------
