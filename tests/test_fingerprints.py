@@ -311,6 +311,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.any_engine  # its subprocesses choose their engine themselves (the automatic choice)
 def test_dtensor_on_two_gloo_processes(tmp_path: Any) -> None:
     import json
     import subprocess
