@@ -304,6 +304,7 @@ def main(rank, port):
         blocked = [err.event.op, w.to_local().tolist()]
     sys.stdout.write(json.dumps({"rank": rank, "found": found, "blocked": blocked}) + "\\n")  # one write
     sys.stdout.flush()
+    dist.barrier()  # both ranks done with every collective first: else gloo may abort at exit
     dist.destroy_process_group()
 
 if __name__ == "__main__":
