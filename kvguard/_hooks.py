@@ -21,6 +21,7 @@ import torch
 
 from kvguard import _frames, _torch
 from kvguard._judge import After, WriteJudge
+from kvguard._protect import merge_intervals
 
 
 def outside_dynamo(fn: Any) -> Any:
@@ -103,13 +104,7 @@ class HookEngine:
     def _push(self) -> None:
         """Tell the backend the union of the guards' protected memory, and whether to watch placements."""
         with self._lock:
-            merged: list[tuple[int, int]] = []
-            for start, stop in sorted(span for j in self.judges for span in j.protected.intervals()):
-                if merged and start <= merged[-1][1]:
-                    merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
-                else:
-                    merged.append((start, stop))
-            self.backend.set_intervals(merged)
+            self.backend.set_intervals(merge_intervals(span for j in self.judges for span in j.protected.intervals()))
             self.backend.set_identities(sorted({i for j in self.judges for i in j.protected.identities()}))
             self.backend.set_send_all(any(j.protected.by_identity for j in self.judges))
             self.backend.set_watch(self._look if any(j.protected.watching for j in self.judges) else None)
