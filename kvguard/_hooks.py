@@ -21,7 +21,6 @@ import torch
 
 from kvguard import _frames, _torch
 from kvguard._judge import After, WriteJudge
-from kvguard._protect import merge_intervals
 
 
 def outside_dynamo(fn: Any) -> Any:
@@ -104,7 +103,7 @@ class HookEngine:
     def _push(self) -> None:
         """Tell the backend the union of the guards' protected memory, and whether to watch placements."""
         with self._lock:
-            self.backend.set_intervals(merge_intervals(span for j in self.judges for span in j.protected.intervals()))
+            self.backend.set_intervals(_torch.merge_intervals(span for j in self.judges for span in j.protected.intervals()))
             self.backend.set_identities(sorted({i for j in self.judges for i in j.protected.identities()}))
             self.backend.set_send_all(any(j.protected.by_identity for j in self.judges))
             self.backend.set_watch(self._look if any(j.protected.watching for j in self.judges) else None)

@@ -13,7 +13,7 @@ import contextlib
 import gc
 import sys
 import weakref
-from typing import Any, Callable, Collection, Iterable, Iterator, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Collection, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -122,7 +122,7 @@ class ProtectedSet:
 
     def intervals(self) -> list[tuple[int, int]]:
         """The protected memory as sorted, disjoint `[start, stop)` byte ranges (all devices together)."""
-        return merge_intervals((g[0], g[1]) for _, groups in self._index.values() for g in groups)
+        return _torch.merge_intervals((g[0], g[1]) for _, groups in self._index.values() for g in groups)
 
     def identities(self) -> list[int]:
         """The TensorImpl addresses of the protected tensors: a write to one of them is looked at
@@ -398,17 +398,6 @@ class ProtectedSet:
         self._index = {}
         self._watch = _tree.snapshot([])
         self._root = None
-
-
-def merge_intervals(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """`[start, stop)` ranges as sorted, disjoint ones covering the same bytes."""
-    merged: list[tuple[int, int]] = []
-    for start, stop in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
-        else:
-            merged.append((start, stop))
-    return merged
 
 
 @contextlib.contextmanager

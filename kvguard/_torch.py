@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -512,15 +512,20 @@ def flat_ranges(t: torch.Tensor, windows: WriteWindows) -> Optional[list[tuple[i
                 if i < j:
                     found.append((i, j))
             k -= 1
-        merged: list[tuple[int, int]] = []
-        for i, j in sorted(found):
-            if merged and i <= merged[-1][1]:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], j))
-            else:
-                merged.append((i, j))
-        return merged or None
+        return merge_intervals(found) or None
     except Exception:  # noqa: BLE001 - a guard must never crash on an unusual tensor
         return None
+
+
+def merge_intervals(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`[start, stop)` ranges as sorted, disjoint ones covering the same indices or bytes."""
+    merged: list[tuple[int, int]] = []
+    for start, stop in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+        else:
+            merged.append((start, stop))
+    return merged
 
 
 def memory_order(t: torch.Tensor) -> Optional[tuple[int, ...]]:
