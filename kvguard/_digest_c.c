@@ -230,6 +230,30 @@ fail:
     return NULL;
 }
 
+/* For kvguard._write_hook's describe(): the same digest of one strided tensor, so a digest
+ * taken there and one taken here always agree. `data` points at the first element; the
+ * caller has checked that every element lies inside readable memory. */
+static uint64_t digest_strided(const unsigned char *data, Py_ssize_t itemsize, int ndim, const Py_ssize_t *sizes,
+                               const Py_ssize_t *strides)
+{
+    spec_t s;
+    if (ndim > MAX_DIMS || itemsize <= 0)
+        return 0;
+    s.data = data, s.valid = 1, s.itemsize = itemsize, s.ndim = ndim, s.result = 0;
+    for (int d = 0; d < ndim; d++)
+        s.sizes[d] = sizes[d], s.strides[d] = strides[d];
+    return digest_one(&s);
+}
+
+/* The capsule `kvguard._digest_c._api` holds this: a version, the dims limit and the function. */
+typedef struct {
+    int version;
+    int max_dims;
+    uint64_t (*digest_strided)(const unsigned char *, Py_ssize_t, int, const Py_ssize_t *, const Py_ssize_t *);
+} kvguard_digest_api;
+
+static kvguard_digest_api api = {1, MAX_DIMS, digest_strided};
+
 static PyMethodDef methods[] = {
     {"digest", digest, METH_VARARGS,
      "digest(specs): a 64-bit digest of each (data_ptr, itemsize, sizes, strides) tensor's element bytes"},
@@ -241,5 +265,14 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvguard._digest_c", 
 PyMODINIT_FUNC
 PyInit__digest_c(void)
 {
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    PyObject *capsule = PyCapsule_New(&api, "kvguard._digest_c._api", NULL);
+    if (capsule == NULL || PyModule_AddObject(m, "_api", capsule) < 0) {
+        Py_XDECREF(capsule);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -141,8 +141,22 @@ def call_argument_text(frame: types.FrameType, callee_names: Collection[str]) ->
 
     `kvguard.guard(self.rollout_data)` gives "self.rollout_data". Only calls whose
     function is named one of `callee_names` count, and only arguments that name
-    something (a variable, an attribute, an item); None otherwise.
+    something (a variable, an attribute, an item); None otherwise. Remembered per call
+    site: a guard entered in a loop reads the source once.
     """
+    key = (frame.f_code, frame.f_lasti, tuple(callee_names))
+    if key not in _argument_texts:
+        if len(_argument_texts) >= _MAX_REMEMBERED:
+            _argument_texts.clear()
+        _argument_texts[key] = _call_argument_text(frame, callee_names)
+    return _argument_texts[key]
+
+
+_argument_texts: dict[tuple[Any, ...], Optional[str]] = {}
+_MAX_REMEMBERED = 4096
+
+
+def _call_argument_text(frame: types.FrameType, callee_names: Collection[str]) -> Optional[str]:
     tree = _parse(frame.f_code.co_filename)
     if tree is None:
         return None

@@ -233,7 +233,7 @@ class Guard:
                     "values changed during the guard (level='light' watches no op, so the writing line "
                     "is not known: level='full' names it)")
             else:
-                before, after = _fingerprint_text(change.was), _fingerprint_text(change.now)
+                before, after = change.was, change.now
                 diff = "identity or memory changed with no dispatched op (k.data = ..., or code the guard cannot see)"
             events.append(unobserved_event(change.entry, tensor, site, diff, before, after))
         return events
@@ -456,9 +456,3 @@ def _check_level(level: Any) -> str:
 def _fingerprint_default() -> bool:
     """On, unless `KVGUARD_FINGERPRINT` says 0/off/false/no."""
     return os.environ.get("KVGUARD_FINGERPRINT", "").strip().lower() not in ("0", "off", "false", "no")
-
-
-def _fingerprint_text(fp: tuple[Any, ...]) -> str:
-    if len(fp) >= 5:
-        return f"data_ptr {fp[1]:#x}, shape {tuple(fp[2])}, stride {fp[3]}, offset {fp[4]}"
-    return repr(fp[1:]) if len(fp) > 1 else "unknown"

@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from kvguard import _frames, _torch
+from kvguard import _frames, _records, _torch
 from kvguard._judge import After, WriteJudge
 
 
@@ -100,13 +100,28 @@ class HookEngine:
                 self.backend.set_watch(None)
             self._push()
 
-    def _push(self) -> None:
-        """Tell the backend the union of the guards' protected memory, and whether to watch placements."""
+    def _push(self, added: Optional[list[Any]] = None) -> None:
+        """Tell the backend what the guards protect: all of it, or only the entries `added`.
+
+        Then the watch: the containers to compare before each write, where placements show.
+        """
         with self._lock:
-            self.backend.set_intervals(_torch.merge_intervals(span for j in self.judges for span in j.protected.intervals()))
-            self.backend.set_identities(sorted({i for j in self.judges for i in j.protected.identities()}))
-            self.backend.set_send_all(any(j.protected.by_identity for j in self.judges))
-            self.backend.set_watch(self._look if any(j.protected.watching for j in self.judges) else None)
+            judges, backend = self.judges, self.backend
+            if added is None or not hasattr(backend, "add_protected"):
+                backend.set_intervals(judges[0].protected.intervals() if len(judges) == 1 else
+                                      _torch.merge_intervals(s for j in judges for s in j.protected.intervals()))
+                backend.set_identities([i for j in judges for i in j.protected.identities()])  # sorted there
+                backend.set_send_all(any(j.protected.by_identity for j in judges))
+            elif added:
+                records = [e.record for e in added]
+                backend.add_protected(_records.intervals(records),
+                                      [i for r in records if (i := r[_records.IMPL]) is not None])
+                if not all(map(_records.has_memory, records)):
+                    backend.set_send_all(True)
+            watching = [j.protected for j in judges if j.protected.watching]
+            snapshots = [p.snapshot_pair() for p in watching]
+            backend.set_watch(self._look if watching else None,
+                              None if any(s is None for s in snapshots) else snapshots)
 
     def _look(self) -> None:
         """Before a write is judged: protect what was placed since the last look."""
@@ -123,15 +138,7 @@ class HookEngine:
             return None
         afters = [a for judge in reversed(list(self.judges))
                   if (a := judge.begin(func, facts, written)) is not None]
-        if not afters:
-            return None
-        if len(afters) == 1:
-            return afters[0]
-
-        def after_all(failed: bool = False) -> None:
-            for after in reversed(afters):  # the outermost guard's first, as with nested modes
-                after(failed)
-        return after_all
+        return _Afters(afters) if afters else None
 
     def writes(self) -> int:
         return int(self.backend.writes())
@@ -142,6 +149,26 @@ class HookEngine:
             assert not self.judges, "uninstalling a write hook with guards attached"
             self.backend.set_enabled(False)
             self.backend.uninstall()
+
+
+class _Afters:
+    """What runs once a judged write is done: each guard's `after`, the outermost guard's first.
+
+    Called from inside the op, also while Dynamo traces or runs a compiled function: the
+    frame of `__call__` is marked for Dynamo to skip, with everything it calls.
+    """
+
+    __slots__ = ("afters",)
+
+    def __init__(self, afters: list[After]) -> None:
+        self.afters = afters
+
+    def __call__(self, failed: bool = False) -> None:
+        for after in reversed(self.afters):  # as with nested modes
+            after(failed)
+
+
+_Afters.__call__ = outside_dynamo(_Afters.__call__)  # type: ignore[method-assign]
 
 
 class HookAttachment:

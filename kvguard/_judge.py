@@ -47,6 +47,7 @@ class WriteJudge:
         hit = protected.written_entries(written, facts.kind, facts.resizes)
         if not hit or (func is _COPY and _is_self_copy(args)):
             return None
+        protected.settle()  # the report names every path to the tensor, as of now
         site = _frames.user_site()
         for entry in protected.drifted(hit):  # changed since the last look, by nothing we saw:
             self.on_event(unobserved_event(entry, protected.tensor_of(entry), site, DRIFT_DIFF,
@@ -85,6 +86,7 @@ class WriteJudge:
         hit = [e for e in (protected.entry_of(t1), protected.entry_of(t2)) if e is not None]
         if not hit:
             return lambda swapped: None
+        protected.settle()
         site = _frames.user_site()
         for entry in protected.drifted(hit):  # a change no op saw, which the swap would hide
             self.on_event(unobserved_event(entry, protected.tensor_of(entry), site, DRIFT_DIFF,

@@ -98,6 +98,21 @@ def set_intervals(intervals: Sequence[tuple[int, int]]) -> None:
     _state.intervals = ([int(a) for a, _ in intervals], [int(b) for _, b in intervals])
 
 
+def add_protected(intervals: Sequence[tuple[int, int]], identities: Sequence[int]) -> None:
+    """Protect more: merged into the intervals and identities (published as new objects)."""
+    if intervals:
+        starts, stops = (list(side) for side in _state.intervals)  # copies: readers keep the old pair
+        for start, stop in sorted((int(a), int(b)) for a, b in intervals if a < b):
+            i = bisect.bisect_left(stops, start)  # the first interval that reaches `start`
+            j = bisect.bisect_right(starts, stop)  # past the last one that starts by `stop`
+            if i < j:  # it meets intervals i..j-1 (or touches them): one interval now
+                start, stop = min(start, starts[i]), max(stop, stops[j - 1])
+            starts[i:j], stops[i:j] = [start], [stop]
+        _state.intervals = (starts, stops)
+    if identities:
+        _state.identities = _state.identities | frozenset(int(i) for i in identities)
+
+
 def set_identities(identities: Sequence[int]) -> None:
     """Protected tensors by identity: a write to one is a candidate wherever its memory is."""
     _state.identities = frozenset(int(i) for i in identities)
@@ -107,7 +122,9 @@ def set_callback(callback: Optional[Callable[..., Any]]) -> None:
     _state.callback = callback
 
 
-def set_watch(watch: Optional[Callable[[], None]]) -> None:
+def set_watch(watch: Optional[Callable[[], None]], snapshots: Any = None) -> None:
+    """`watch` runs before every judged write (here `snapshots`, which lets the compiled hook
+    skip it while nothing changed, is not compared: the watch compares them itself)."""
     _state.watch = watch
 
 

@@ -9,7 +9,6 @@ next look, and a tensor placed into it is protected from that moment on.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import gc
 import sys
 import weakref
@@ -17,11 +16,12 @@ from typing import Any, Callable, Collection, Iterator, NamedTuple, Optional, Se
 
 import torch
 
-from kvguard import _digest, _frames, _torch, _tree
+from kvguard import _digest, _frames, _records, _torch, _tree
+from kvguard._records import DIGEST, IMPL, LAYOUT
 
 
 class Change(NamedTuple):
-    """What a boundary check found on one entry: `values` changed, or its `memory` moved."""
+    """What a boundary check found on one entry: `values` changed (digests), or its `memory` moved (texts)."""
 
     entry: Entry
     tensor: torch.Tensor
@@ -31,27 +31,24 @@ class Change(NamedTuple):
 
 
 class Entry:
-    """One protected tensor: its path, memory, placement and the digest of its values."""
+    """One protected tensor: its path, placement, memory and layout (a `_records` record) and digest."""
 
-    __slots__ = ("path", "ref", "spans", "placed_at", "fingerprint", "digest", "explained", "aliases",
-                 "detached", "__weakref__")
+    __slots__ = ("path", "ref", "record", "placed_at", "digest", "explained", "aliases", "detached")
 
-    def __init__(self, path: str, tensor: torch.Tensor, ref: Callable[[], Optional[torch.Tensor]],
+    def __init__(self, path: str, record: _records.Record, ref: Callable[[], Optional[torch.Tensor]],
                  placed_at: Optional[str]) -> None:
         self.path = path
         self.ref = ref
-        self.spans = _torch.spans(tensor)
+        self.record = record
         self.placed_at = placed_at
-        self.fingerprint = _torch.storage_fingerprint(tensor)
-        self.digest: _digest.Digest = None  # its values when last looked at (see `_digest`)
+        self.digest: _digest.Digest = record[DIGEST]  # its values when last looked at (see `_digest`)
         self.explained = False  # an op event reported a write since then
-        self.aliases: list[str] = []  # other paths to the same tensor object
+        self.aliases: tuple[str, ...] = ()  # other paths to the same tensor object
         self.detached = False  # no longer reachable from the guarded object
 
-    def refresh(self, tensor: torch.Tensor) -> None:
-        """Re-read the memory and layout after an op changed them (`t_`, `set_`, `resize_`)."""
-        self.spans = _torch.spans(tensor)
-        self.fingerprint = _torch.storage_fingerprint(tensor)
+    @property
+    def spans(self) -> list[_torch.Span]:
+        return _records.spans(self.record)
 
 
 class ProtectedSet:
@@ -62,17 +59,22 @@ class ProtectedSet:
         self._root, self._name, self._keys, self._ignore = root, name, keys, ignore
         self._entries: dict[int, Entry] = {}
         self._by_identity: dict[int, Entry] = {}  # tensors without readable memory (meta)
-        # per device: group starts, and disjoint (start, stop, entries) groups sorted by start
-        self._index: dict[Any, tuple[list[int], list[tuple[int, int, list[Entry]]]]] = {}
+        self._index: dict[Any, _Groups] = {}  # per device: the protected byte ranges and their entries
         self._watch = _tree.snapshot([])
-        self._all_starts: list[int] = []
-        self._max_stop_upto: list[int] = []
-        self._dirty = False
-        self.on_index: Optional[Callable[[], None]] = None  # told when the protected memory changes
+        self._dirty = False  # a protected tensor died: forget it before the next write is judged
+        self._owners: dict[int, _tree.Owner] = {}  # id of a watched dict, list or probe -> its container
+        self._walked: dict[int, Any] = {}  # id -> every container walked since the last full scan
+        self._paths_stale = False  # placements were looked at in part: aliases and `detached` may lag
+        self._reached: dict[int, Any] = {}  # id -> path(s) that reached each tensor at the last full scan
+        self._reach_applied = True  # entries' aliases and `detached` agree with `_reached`
+        self._grown = 0  # containers added to the watch since the last full scan
+        # Told when the protected memory changes: with the entries added, or None when it changed otherwise.
+        self.on_index: Optional[Callable[[Optional[list[Entry]]], None]] = None
         self.keys_seen: set[Any] = set()  # top-level keys (or indices) the root ever held
         self.protected_count = 0  # tensors protected so far, including ones let go since
         self._fingerprint = fingerprint
-        self._undigested: list[Entry] = []  # added since the last batch of digests
+        self._compiled = _records.compiled_describe()  # kept for the set's life: one kind of record
+        self._index_stale = True  # `_index` needs rebuilding before a lookup
         self._scan(frames=None)
 
     # -- placement -------------------------------------------------------------------
@@ -89,17 +91,17 @@ class ProtectedSet:
         own = [e for t in written if (e := self._entries.get(id(t))) is not None and e.ref() is t]
         if own:
             self._follow(own)
+        self._ensure_index()
         if kind == "write" and not self._by_identity:
-            starts, max_stop = self._all_starts, self._max_stop_upto
             for tensor in written:
                 try:
                     storage = tensor.untyped_storage()
                     lo = storage.data_ptr()
                     hi = lo + storage.nbytes()
+                    groups = self._index.get(tensor.device)
                 except Exception:  # noqa: BLE001 - sparse and other storage-less tensors
                     break
-                i = bisect.bisect_left(starts, hi) - 1
-                if lo == 0 or (i >= 0 and max_stop[i] > lo):
+                if lo == 0 or (groups is not None and groups.meets(lo, hi)):
                     break  # may touch protected memory: look closely
             else:
                 return []
@@ -112,8 +114,91 @@ class ProtectedSet:
 
     def look(self) -> None:
         """Protect what was placed since the last look (and forget what died): before any write is judged."""
-        if self._dirty or _tree.changed(self._watch):
+        if self._dirty:
+            self._forget_dead()
+        if _tree.changed(self._watch):
+            frames = list(_frames.user_frames(sys._getframe(1)))
+            with _collector_paused():
+                self._place(frames)
+
+    def _place(self, frames: list[Any]) -> None:
+        """Protect what was placed into the watched containers that changed, walking only what is new.
+
+        A placement costs in proportion to what was placed (and, for a store that is not an
+        append, to the size of the container it went into), not to everything protected. A
+        container that lost a nested container is walked again whole instead, so that nothing
+        unreachable stays held; so is one that grew the watch to twice its size since then.
+        """
+        snap = self._watch
+        leaves: list[_tree.Leaf] = []
+        grown: list[Any] = []
+        for target, held in _tree.changed_at(snap):
+            owner = self._owners.get(id(target))
+            diff = _tree.new_children(target, held) if owner is not None and target is owner.obj else None
+            if owner is None or (diff is not None and any(id(v) in self._walked for v in diff[1])):
+                return self._scan_now(frames)
+            if diff is None:  # attributes, pytree nodes, mappings, probes: their container again
+                self._walked.pop(id(owner.obj), None)
+                found, watched = _tree.walk(owner.obj, owner.path, _is_tensor, self._keys, self._ignore,
+                                            top_keys=self.keys_seen, chain=owner.chain, seen=self._walked,
+                                            owners=self._owners)
+                leaves += found
+                grown += watched
+                continue
+            kids = diff[0]
+            if not owner.chain:  # the guarded object itself: its top-level filters
+                kept = _tree.top_level([(step, value, step, None) for step, value in kids], self._keys,
+                                       self._ignore, self.keys_seen)
+                kids = [(step, value) for step, value, _, _ in kept]
+            for step, value in kids:
+                found, watched = _tree.walk(value, owner.path + _tree.step_text(step), _is_tensor,
+                                            chain=owner.chain + ((target, step),), seen=self._walked,
+                                            owners=self._owners)
+                leaves += found
+                grown += watched
+        self._grown += len(grown)
+        if self._grown > max(len(self._owners) - self._grown, 8):
+            return self._scan_now(frames)  # the watch doubled: drop what is no longer reachable
+        known, new, taken = self._entries, [], set()
+        for leaf in leaves:  # tensors not protected yet, each once (its first path)
+            key = id(leaf.tensor)
+            if key not in taken and ((e := known.get(key)) is None or e.ref() is not leaf.tensor):
+                taken.add(key)
+                new.append(leaf)
+        self._watch = _tree.snapshot([*snap.containers, *(p for p, _ in snap.probes), *grown])
+        self._paths_stale = True
+        added = self._add(new, frames) if new else []
+        del leaves, new
+        self._rebuild_index(added)  # the hook learns the new memory and what to compare now
+
+    def settle(self) -> None:
+        """Bring every entry's aliases and `detached` up to date (before they go into a report)."""
+        if self._paths_stale:
             self._scan(frames=list(_frames.user_frames(sys._getframe(1))))
+        if not self._reach_applied:
+            self._reach_applied = True
+            reached = self._reached
+            for key, entry in self._entries.items():
+                paths = reached.get(key)
+                entry.detached = paths is None
+                if type(paths) is list:
+                    entry.aliases = tuple(p for p in paths if p != entry.path)
+                else:
+                    entry.aliases = () if paths is None or paths == entry.path else (paths,)
+
+    def _forget_dead(self) -> None:
+        self._dirty = False
+        dead = [k for k, e in self._entries.items() if e.ref() is None]
+        for key in dead:
+            del self._entries[key]
+        if dead:
+            self._rebuild_index()
+
+    def snapshot_pair(self) -> Optional[tuple[tuple[Any, ...], tuple[Any, ...]]]:
+        """(containers, held) for the compiled hook to compare before each write; None when only
+        Python can tell (slots and deques)."""
+        watch = self._watch
+        return None if watch.probed else (watch.containers, watch.held)
 
     @property
     def watching(self) -> bool:
@@ -122,24 +207,18 @@ class ProtectedSet:
 
     def intervals(self) -> list[tuple[int, int]]:
         """The protected memory as sorted, disjoint `[start, stop)` byte ranges (all devices together)."""
-        return _torch.merge_intervals((g[0], g[1]) for _, groups in self._index.values() for g in groups)
+        return _torch.merge_intervals(_records.intervals(e.record for e in self._entries.values()))
 
     def identities(self) -> list[int]:
         """The TensorImpl addresses of the protected tensors: a write to one of them is looked at
         wherever its memory is now (`w.data = x` re-points it without any op)."""
-        found = []
-        for entry in self._entries.values():
-            tensor = entry.ref()
-            if tensor is not None:
-                try:
-                    found.append(int(tensor._cdata))
-                except Exception:  # noqa: BLE001 - a subclass without one: found by its memory
-                    pass
-        return found
+        return [impl for e in self._entries.values() if (impl := e.record[IMPL]) is not None]
 
     @property
     def by_identity(self) -> bool:
         """Whether some protected tensor has no readable memory (every write must be looked at)."""
+        if self._index_stale:
+            return not all(_records.has_memory(e.record) for e in self._entries.values())
         return bool(self._by_identity)
 
     def _follow(self, entries: list[Entry]) -> bool:
@@ -147,11 +226,11 @@ class ProtectedSet:
 
         `w.data = x`, `share_memory_()`: the entry's memory is wherever its tensor is now.
         """
+        live = [(e, t) for e in entries if (t := e.ref()) is not None]
         moved = False
-        for entry in entries:
-            tensor = entry.ref()
-            if tensor is not None and entry.fingerprint != _torch.storage_fingerprint(tensor):
-                entry.refresh(tensor)
+        for (entry, _), record in zip(live, _records.describe([t for _, t in live], False, self._compiled)):
+            if record[LAYOUT] != entry.record[LAYOUT]:
+                entry.record = record
                 moved = True
         if moved:
             self._rebuild_index()
@@ -162,26 +241,36 @@ class ProtectedSet:
             self._scan_now(frames)
 
     def _scan_now(self, frames: Optional[list[Any]]) -> None:
-        self._dirty = False
+        self._dirty = self._paths_stale = False
+        self._grown = 0
         for key in [k for k, e in self._entries.items() if e.ref() is None]:
             del self._entries[key]
+        self._owners, self._walked = {}, {}
         leaves, containers = _tree.walk(self._root, self._name, _is_tensor, self._keys, self._ignore,
-                                        top_keys=self.keys_seen)
-        reached: dict[int, list[str]] = {}
+                                        top_keys=self.keys_seen, seen=self._walked, owners=self._owners)
+        reached: dict[int, Any] = {}  # id -> the path, or a list of paths when several reach it
+        new: list[_tree.Leaf] = []
+        entries = self._entries
         for leaf in leaves:
-            paths = reached.setdefault(id(leaf.tensor), [])
-            paths.append(leaf.path)
-            known = self._entries.get(id(leaf.tensor))
-            if known is None or known.ref() is not leaf.tensor:
-                self._add(leaf, None if frames is None else _placed_at(frames, leaf.chain))
-        for key, entry in self._entries.items():
-            paths = reached.get(key, [])
-            entry.detached = not paths
-            entry.aliases = [p for p in paths if p != entry.path]
+            key = id(leaf.tensor)
+            paths = reached.get(key)
+            if paths is None:
+                reached[key] = leaf.path
+                known = entries.get(key)
+                if known is None or known.ref() is not leaf.tensor:
+                    new.append(leaf)
+            elif type(paths) is list:
+                paths.append(leaf.path)
+            else:
+                reached[key] = [paths, leaf.path]
+        if new:
+            self._add(new, frames)
+        self._reached = reached  # aliases and `detached` are read from it when a report needs them
+        self._reach_applied = False
         self._watch = _tree.snapshot(containers)
         if leaves:
             del leaf
-        del leaves
+        del leaves, new
         if self._dirty:
             # Values that a Mapping made on access died with the walk: forget them now
             # rather than rescan at every write op.
@@ -189,22 +278,20 @@ class ProtectedSet:
                 del self._entries[key]
             self._dirty = False
         self._rebuild_index()
-        self._take_digests()  # of the tensors this look protected, in one batch
 
-    def _add(self, leaf: _tree.Leaf, placed_at: Optional[str]) -> None:
-        ref = weakref.ref(leaf.tensor, self._on_death)
-        self.protected_count += 1
-        entry = self._entries[id(leaf.tensor)] = Entry(leaf.path, leaf.tensor, ref, placed_at)
-        if self._fingerprint:
-            self._undigested.append(entry)
+    def _add(self, leaves: list[_tree.Leaf], frames: Optional[list[Any]]) -> list[Entry]:
+        """Protect newly reached tensors: their records (memory, layout, digest) in one batch."""
+        records = _records.describe([leaf.tensor for leaf in leaves], self._fingerprint, self._compiled)
+        on_death, entries = self._on_death, self._entries
+        added = []
+        for leaf, record in zip(leaves, records):
+            placed_at = None if frames is None else _placed_at(frames, leaf.chain)
+            entry = entries[id(leaf.tensor)] = Entry(leaf.path, record, weakref.ref(leaf.tensor, on_death), placed_at)
+            added.append(entry)
+        self.protected_count += len(leaves)
+        return added
 
     # -- values ----------------------------------------------------------------------
-
-    def _take_digests(self) -> None:
-        """Digest the entries added since the last call, in one batch: their starting values."""
-        new, self._undigested = self._undigested, []
-        for entry, digest in zip(new, _digest.digests([e.ref() for e in new])):
-            entry.digest = digest
 
     def explain(self, entries: list[Entry], settled: bool = True) -> None:
         """An op event reported a write to these entries: the next boundary check does not.
@@ -249,24 +336,32 @@ class ProtectedSet:
         # A look for placements: every container is walked again at `g.check()` (stores into
         # containers that cannot be watched); at the exit, where a tensor placed now would
         # have nothing to be compared with, only when a watched one changed.
-        if rescan or self._dirty or _tree.changed(self._watch):
+        if rescan or self._dirty or self._paths_stale or _tree.changed(self._watch):
             self._scan(frames)
         with _collector_paused():
-            return self._changes_now()
+            found = self._changes_now()
+        if found:
+            self.settle()
+        return found
 
     def _changes_now(self) -> list[Change]:
         live = [(e, t) for e in list(self._entries.values()) if (t := e.ref()) is not None]
-        now = _digest.digests([t for _, t in live]) if self._fingerprint else [None] * len(live)
-        agrees = _digest.same_all([e.digest for e, _ in live], now)
+        records = _records.describe([t for _, t in live], self._fingerprint, self._compiled)
+        agrees = _digest.same_all([e.digest for e, _ in live], [r[DIGEST] for r in records])
         found = []
-        for (entry, tensor), digest, same in zip(live, now, agrees):
-            layout = _torch.storage_fingerprint(tensor)
+        moved = False
+        for (entry, tensor), record, same in zip(live, records, agrees):
+            digest = record[DIGEST]
             if not entry.explained and not same:
                 found.append(Change(entry, tensor, "values", entry.digest, digest))
-            elif layout != entry.fingerprint and (entry.digest is None or digest is None):
-                found.append(Change(entry, tensor, "memory", entry.fingerprint, layout))
+            if record[LAYOUT] != entry.record[LAYOUT]:
+                if same and (entry.digest is None or digest is None):
+                    found.append(Change(entry, tensor, "memory", _records.layout_text(entry.record),
+                                        _records.tensor_text(tensor)))
+                entry.record, moved = record, True  # follow it to its memory now
             entry.digest, entry.explained = digest, False
-        self._follow([e for e, _ in live])
+        if moved:
+            self._rebuild_index()
         return found
 
     def _on_death(self, _: Any) -> None:
@@ -290,42 +385,42 @@ class ProtectedSet:
         def restore() -> None:
             for entry, tensor in held:
                 entry.ref = weakref.ref(tensor, self._on_death)
-                entry.refresh(tensor)
+            for (entry, _), record in zip(held, _records.describe([t for _, t in held], False, self._compiled)):
+                entry.record = record
             if held:
                 self._rebuild_index()
         return restore
 
     # -- lookup ----------------------------------------------------------------------
 
-    def _rebuild_index(self) -> None:
-        per_device: dict[Any, list[tuple[int, int, Entry]]] = {}
-        self._by_identity = {}
-        for key, entry in self._entries.items():
-            if not entry.spans:
-                self._by_identity[key] = entry
-            for span in entry.spans:
-                per_device.setdefault(span.device, []).append((span.start, span.stop, entry))
-        self._index = {}
-        for device, items in per_device.items():
-            items.sort(key=lambda item: item[0])
-            groups: list[tuple[int, int, list[Entry]]] = []
-            for start, stop, entry in items:  # merge into disjoint groups
-                if groups and start < groups[-1][1]:
-                    g_start, g_stop, members = groups[-1]
-                    if entry not in members:
-                        members.append(entry)
-                    groups[-1] = (g_start, max(g_stop, stop), members)
-                else:
-                    groups.append((start, stop, [entry]))
-            self._index[device] = ([g[0] for g in groups], groups)
-        every = sorted((g[0], g[1]) for _, groups in self._index.values() for g in groups)
-        self._all_starts = [start for start, _ in every]
-        running, self._max_stop_upto = 0, []
-        for _, stop in every:
-            running = max(running, stop)
-            self._max_stop_upto.append(running)
+    def _rebuild_index(self, added: Optional[list[Entry]] = None) -> None:
+        """The protected memory changed (by `added` entries only, if given): tell the hook; the
+        lookup index is rebuilt when next needed."""
+        if added is None:
+            self._index_stale = True
+        elif not self._index_stale:
+            self._index_add(added)
         if self.on_index is not None:
-            self.on_index()
+            self.on_index(added)
+
+    def _ensure_index(self) -> None:
+        if self._index_stale:
+            self._index_stale = False
+            self._index, self._by_identity = {}, {}
+            self._index_add(list(self._entries.values()))
+
+    def _index_add(self, entries: list[Entry]) -> None:
+        for entry in entries:
+            spans = entry.spans
+            if not spans:
+                tensor = entry.ref()
+                if tensor is not None:
+                    self._by_identity[id(tensor)] = entry
+            for span in spans:
+                groups = self._index.get(span.device)
+                if groups is None:
+                    groups = self._index[span.device] = _Groups()
+                groups.add(span.start, span.stop, entry)
 
     def hits(self, written: torch.Tensor, kind: str = "write", resizes: bool = False) -> list[Entry]:
         """Protected entries a write to `written` touches.
@@ -339,23 +434,18 @@ class ProtectedSet:
         if kind != "write":
             entry = self.entry_of(written)
             return [entry] if entry is not None else []
+        self._ensure_index()
         if self._by_identity:
             entry = self.entry_of(written)
             if entry is not None and not entry.spans and (written.numel() > 0 or resizes):
                 return [entry]
         found: list[Entry] = []
         for span in _torch.spans(written):
-            index = self._index.get(span.device)
-            if index is None:
-                continue
-            starts, groups = index
-            i = max(bisect.bisect_right(starts, span.start) - 1, 0)
-            while i < len(groups) and groups[i][0] < span.stop:
-                if groups[i][1] > span.start:
-                    for entry in groups[i][2]:
-                        if entry not in found and self._overlaps(span, written, entry):
-                            found.append(entry)
-                i += 1
+            groups = self._index.get(span.device)
+            for members in groups.meeting(span.start, span.stop) if groups is not None else ():
+                for entry in members:
+                    if entry not in found and self._overlaps(span, written, entry):
+                        found.append(entry)
         return found
 
     @staticmethod
@@ -386,7 +476,7 @@ class ProtectedSet:
     def relayout(self, entry: Entry) -> None:
         tensor = entry.ref()
         if tensor is not None:
-            entry.refresh(tensor)
+            entry.record = _records.describe([tensor], False, self._compiled)[0]
             self._rebuild_index()
 
     # -- exit ------------------------------------------------------------------------
@@ -396,25 +486,66 @@ class ProtectedSet:
         self._entries.clear()
         self._by_identity = {}
         self._index = {}
+        self._index_stale = False
         self._watch = _tree.snapshot([])
+        self._owners, self._walked, self._reached = {}, {}, {}
         self._root = None
 
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
+class _Groups:
+    """The protected byte ranges of one device: sorted, disjoint groups, each with the entries
+    whose spans lie in it. A tensor placed later is merged in with two binary searches."""
+
+    __slots__ = ("starts", "stops", "members")
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.stops: list[int] = []
+        self.members: list[list[Entry]] = []
+
+    def add(self, start: int, stop: int, entry: Entry) -> None:
+        i = bisect.bisect_right(self.stops, start)  # the first group that ends after `start`
+        j = bisect.bisect_left(self.starts, stop)  # past the last one that starts before `stop`
+        members = [entry]
+        if i < j:  # it overlaps groups i..j-1: one group now
+            start, stop = min(start, self.starts[i]), max(stop, self.stops[j - 1])
+            members = [e for group in self.members[i:j] for e in group]
+            if entry not in members:
+                members.append(entry)
+        self.starts[i:j], self.stops[i:j], self.members[i:j] = [start], [stop], [members]
+
+    def meeting(self, lo: int, hi: int) -> Iterator[list[Entry]]:
+        """The entries of each group that shares a byte with `[lo, hi)`."""
+        i = bisect.bisect_right(self.stops, lo)
+        while i < len(self.starts) and self.starts[i] < hi:
+            yield self.members[i]
+            i += 1
+
+    def meets(self, lo: int, hi: int) -> bool:
+        i = bisect.bisect_right(self.stops, lo)
+        return i < len(self.starts) and self.starts[i] < hi
+
+
+class _CollectorPaused:
     """No garbage collection while a look allocates its entries.
 
     A look over 15,000 tensors allocates ~100,000 objects, enough to trigger a full
     collection over every object of the process (torch alone has ~500,000, ~0.2 s),
     which tripled the cost of entering a guard. They are collected later as usual.
     """
-    was_on = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_on:
+
+    __slots__ = ("was_on",)
+
+    def __enter__(self) -> None:
+        self.was_on = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.was_on:
             gc.enable()
+
+
+_collector_paused = _CollectorPaused
 
 
 class _Strong:

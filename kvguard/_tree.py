@@ -31,7 +31,7 @@ import keyword
 import sys
 import types
 from collections.abc import Mapping
-from itertools import chain, islice
+from itertools import accumulate, chain, islice
 from operator import is_
 from typing import Any, Callable, Collection, Iterator, NamedTuple, Optional
 
@@ -139,7 +139,7 @@ def _instance_dict(obj: Any) -> Optional[dict[str, Any]]:
 _Child = tuple[Any, Any, Any, Optional[str]]
 
 
-def _suffix(step: Any) -> str:
+def step_text(step: Any) -> str:
     """The path suffix of a chain step: `.kl` for `Attr("kl")`, `['kl']` / `[0]` for an item."""
     return _attr(step.name) if type(step) is Attr else f"[{_repr(step)}]"
 
@@ -231,7 +231,7 @@ def child_items(obj: Container) -> Iterator[tuple[Any, str, Any]]:
     except Exception:  # noqa: BLE001
         return
     for key, value, step, suffix in children:
-        yield key, suffix if suffix is not None else _suffix(step), value
+        yield key, suffix if suffix is not None else step_text(step), value
 
 
 def _slot_descriptors(tp: type) -> tuple[Any, ...]:
@@ -261,13 +261,24 @@ def _read_slots(descriptors: tuple[Any, ...]) -> Callable[[Any], tuple[Any, ...]
     return read
 
 
-def _watch(obj: Any, kind: int, watched: list[Container], ids: set[int], slots: dict[type, tuple[Any, ...]]) -> None:
-    """Add what must be compared to notice a store into `obj`."""
+class Owner(NamedTuple):
+    """The walked container a watched dict, list or probe belongs to, and where it is in the tree."""
+
+    obj: Container
+    path: str
+    chain: tuple[tuple[Container, Any], ...]
+
+
+def _watch(obj: Any, kind: int, watched: list[Container], ids: set[int], slots: dict[type, tuple[Any, ...]],
+           owner: Optional[Owner], owners: Optional[dict[int, Owner]]) -> None:
+    """Add what must be compared to notice a store into `obj` (and, in `owners`, that it is `obj`'s)."""
 
     def add(container: Any) -> None:
         if id(container) not in ids:
             ids.add(id(container))
             watched.append(container)
+            if owners is not None:
+                owners[id(container)] = owner  # type: ignore[assignment]
 
     if kind in (_DICT, _LIST):
         add(obj)
@@ -303,6 +314,9 @@ def walk(
     keys: Optional[Collection[Any]] = None,
     ignore: Collection[Any] = (),
     top_keys: Optional[set[Any]] = None,
+    chain: tuple[tuple[Container, Any], ...] = (),
+    seen: Optional[dict[int, Any]] = None,
+    owners: Optional[dict[int, Owner]] = None,
 ) -> tuple[list[Leaf], list[Container]]:
     """All tensor leaves under `root`, and what to watch to notice placements.
 
@@ -313,21 +327,27 @@ def walk(
     (shared or cyclic) is walked once; a tensor reachable by two paths is listed under
     both, in walk order. User code that raises while being read (a Mapping's
     `__getitem__`, a pytree flatten, a property) hides only what it would have given.
+
+    To walk part of a tree again: `chain` is the root's own chain in the whole tree (the
+    top-level filters apply only where it is empty), `seen` maps the ids of containers
+    not to enter (walked already) to themselves, and receives the ones walked now (held,
+    so that no id is reused while it is kept), and `owners` receives, per watched id,
+    the `Owner` a store into it changes.
     """
     leaves: list[Leaf] = []
     watched: list[Container] = []
-    seen: set[int] = set()
+    seen = {} if seen is None else seen
     watched_ids: set[int] = set()
     kinds: dict[type, int] = {}
     slots: dict[type, tuple[Any, ...]] = {}
     nodes = _pytree_nodes()
     if is_tensor(root):
-        return [Leaf(name, root, ())], watched
+        return [Leaf(name, root, chain)], watched
     kinds[type(root)] = _kind(type(root), nodes)
     # Depth first, children in order, on an explicit stack (deep chains cannot overflow
     # it). Only tensors and containers are pushed: a wide dict of numbers costs one type
     # lookup per value, with no path built for it.
-    stack: list[tuple[Any, str, tuple[tuple[Container, Any], ...], bool]] = [(root, name, (), False)]
+    stack: list[tuple[Any, str, tuple[tuple[Container, Any], ...], bool]] = [(root, name, chain, False)]
     while stack:
         obj, path, chain_, is_leaf = stack.pop()
         if is_leaf:
@@ -336,15 +356,17 @@ def walk(
         kind = kinds[type(obj)]
         if kind == _LEAF or id(obj) in seen:
             continue
-        seen.add(id(obj))
-        _watch(obj, kind, watched, watched_ids, slots)
+        seen[id(obj)] = obj
+        _watch(obj, kind, watched, watched_ids, slots, Owner(obj, path, chain_) if owners is not None else None,
+               owners)
         try:
             children = _children(obj, kind)
         except Exception:  # noqa: BLE001 - a container whose iteration raises
             continue
         if not chain_:
-            children = _top_level(children, keys, ignore, top_keys)
+            children = top_level(children, keys, ignore, top_keys)
         pending = []
+        nested = False
         for child in children:
             value = child[1]
             if is_tensor(value):
@@ -356,14 +378,21 @@ def walk(
                 kind = kinds[tp] = _kind(tp, nodes)
             if kind != _LEAF and id(value) not in seen:
                 pending.append((child, False))
+                nested = True
+        if not nested:  # tensors only (a per-sample list): their leaves in order, no trip through the stack
+            for (_, value, step, suffix), _ in pending:
+                leaves.append(Leaf(path + (suffix if suffix is not None else f"[{step}]" if type(step) is int
+                                           else step_text(step)), value, chain_ + ((obj, step),)))
+            continue
         for (_, value, step, suffix), leaf in reversed(pending):
-            stack.append((value, path + (suffix if suffix is not None else _suffix(step)),
+            stack.append((value, path + (suffix if suffix is not None else step_text(step)),
                           chain_ + ((obj, step),), leaf))
     return leaves, watched
 
 
-def _top_level(children: list[_Child], keys: Optional[Collection[Any]], ignore: Collection[Any],
-               top_keys: Optional[set[Any]]) -> list[_Child]:
+def top_level(children: list[_Child], keys: Optional[Collection[Any]], ignore: Collection[Any],
+              top_keys: Optional[set[Any]]) -> list[_Child]:
+    """The root's children that `keys` and `ignore` keep; every key goes into `top_keys`."""
     kept = []
     for child in children:
         key = child[0]
@@ -404,6 +433,7 @@ class Snapshot(NamedTuple):
     held: tuple[Any, ...]  # their values, in order
     probes: tuple[tuple[Probe, Optional[tuple[Any, ...]]], ...] = ()  # (probe, what it read): in Python
     probed: bool = False  # whether there are probes (a bool, so `changed` stays one expression)
+    ends: tuple[int, ...] = ()  # where each container's values end in `held`
 
 
 def snapshot(containers: list[Container]) -> Snapshot:
@@ -413,7 +443,53 @@ def snapshot(containers: list[Container]) -> Snapshot:
     # OrderedDict's .values() follows its links instead)
     views = tuple(dict.values(c) if isinstance(c, dict) else c for c in plain)
     probes = tuple((c, _read(c)) for c in containers if type(c) is Probe)
-    return Snapshot(plain, views, tuple(chain.from_iterable(views)), probes, bool(probes))
+    ends = tuple(accumulate(map(len, views)))
+    return Snapshot(plain, views, tuple(chain.from_iterable(views)), probes, bool(probes), ends)
+
+
+def changed_at(snap: Snapshot) -> list[tuple[Any, tuple[Any, ...]]]:
+    """The watched containers and probes that changed, each with what it held before."""
+    found: list[tuple[Any, tuple[Any, ...]]] = []
+    start = 0
+    same_c = _same_values_c
+    for container, view, end in zip(snap.containers, snap.views, snap.ends):
+        held = snap.held[start:end]
+        start = end
+        if len(view) != len(held) or not (same_c((container,), held) if same_c is not None
+                                          else all(map(is_, view, held))):
+            found.append((container, held))
+    for probe, held_ in snap.probes:
+        now = _read(probe)
+        if now is None or held_ is None or len(now) != len(held_) or not all(map(is_, now, held_)):
+            found.append((probe, held_ or ()))
+    return found
+
+
+def new_children(container: Any, held: tuple[Any, ...]) -> Optional[tuple[list[tuple[Any, Any]], list[Any]]]:
+    """What changed in a dict or list since it held `held`: `(step, value)` of the values
+    not where they were, and the values it no longer holds. None for other containers
+    (walk them again).
+
+    An append costs one pass of identity comparisons in C; a store or a deletion one pass
+    in Python (a deletion shifts what follows, which then counts as new).
+    """
+    if isinstance(container, list):
+        values = list.copy(container)
+        steps: Any = None  # the index
+    elif isinstance(container, dict):
+        items = list(dict.items(container))
+        values = [value for _, value in items]
+        steps = [key for key, _ in items]
+    else:
+        return None
+    n = len(held)
+    if len(values) >= n and all(map(is_, values, held)):  # appended to (or a no-op)
+        return [(i if steps is None else steps[i], values[i]) for i in range(n, len(values))], []
+    now = set(map(id, values))
+    lost = [value for value in held if id(value) not in now]
+    moved = [(i if steps is None else steps[i], value) for i, value in enumerate(values)
+             if i >= n or held[i] is not value]
+    return moved, lost
 
 
 def changed(snap: Snapshot) -> bool:

@@ -17,7 +17,12 @@
 //   hooked_ops() -> list[str] ("ns::name.overload", "default" for the unnamed overload)
 //   set_enabled(bool), enabled() -> bool, set_send_all(bool), writes() -> int
 //   set_intervals(list[tuple[int, int]]), set_identities(list[int])
-//   set_watch(callable | None): called with no arguments before each judged write
+//   add_protected(list[tuple[int, int]], list[int]): more of both (intervals sorted, any overlap)
+//   set_watch(callable | None, snapshots=None): called with no arguments before each judged
+//     write; with `snapshots`, a list of (containers, held) tuple pairs, only when one of
+//     them changed (kvguard._speedups's identity check, run here without Python code)
+//   describe(tensors, plain_types, digest) -> list: what a protected entry records of each
+//     tensor, in one pass (see py_describe)
 //   set_callback(callable | None): callback(op_name, written_tensors) on a possible hit,
 //     op_name like "aten::mul_.Tensor"; it returns None, or `after`, called as `after()`
 //     once the write is done or `after(True)` if the op raised. An exception from watch,
@@ -46,11 +51,13 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DispatchKeySet.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/Device.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <iterator>
 #include <atomic>
 #include <cstdint>
 #include <map>
@@ -83,6 +90,7 @@ std::atomic<uint64_t> g_writes{0};
 std::shared_ptr<const Protected> g_protected;  // std::atomic_load / std::atomic_store only
 PyObject* g_callback = nullptr;                 // GIL-protected, owned reference
 PyObject* g_watch = nullptr;                    // GIL-protected, owned reference
+PyObject* g_watch_snapshots = nullptr;          // GIL-protected, owned; nullptr: always call g_watch
 
 // Registration state, touched only by install()/uninstall() (with the GIL). Heap-allocated
 // and never destroyed at exit: deregistering kernels during static destruction could run
@@ -160,6 +168,44 @@ class SilentWarnings final : public c10::WarningHandler {
  public:
   void process(const c10::Warning& /*warning*/) override {}
 };
+
+// ---- the placement check ----------------------------------------------------------------
+
+struct SpeedupsApi {
+  int version;
+  int (*same_values)(PyObject* containers, PyObject* held);
+};
+
+const SpeedupsApi* speedups_api() {  // with the GIL; nullptr when kvguard._speedups is missing
+  static const SpeedupsApi* api = nullptr;
+  static bool tried = false;
+  if (!tried) {
+    tried = true;
+    api = static_cast<const SpeedupsApi*>(PyCapsule_Import("kvguard._speedups._api", 0));
+    if (api == nullptr || api->version != 1) {
+      PyErr_Clear();
+      api = nullptr;
+    }
+  }
+  return api;
+}
+
+// Whether the watch must run: some watched container changed since its snapshot (or there
+// is no snapshot to compare, or no C check to compare it with). Needs the GIL.
+bool watched_changed() {
+  PyObject* snapshots = g_watch_snapshots;
+  const SpeedupsApi* api = snapshots == nullptr ? nullptr : speedups_api();
+  if (api == nullptr) return true;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(snapshots); ++i) {
+    PyObject* pair = PyTuple_GET_ITEM(snapshots, i);
+    const int same = api->same_values(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1));
+    if (same != 1) {
+      if (same < 0) PyErr_Clear();  // the watch itself decides
+      return true;
+    }
+  }
+  return false;
+}
 
 // ---- the check ---------------------------------------------------------------------------
 
@@ -293,7 +339,7 @@ struct HookKernel final : public c10::OperatorKernel {
 
     if (g_has_watch.load(std::memory_order_relaxed) && python_alive()) {
       Gil gil;
-      if (g_watch != nullptr) {
+      if (g_watch != nullptr && watched_changed()) {
         PyObject* watch = g_watch;
         Py_INCREF(watch);
         PyObject* r = PyObject_CallNoArgs(watch);
@@ -742,6 +788,71 @@ PyObject* py_set_intervals(PyObject*, PyObject* arg) {
   KVGUARD_CATCH
 }
 
+// Reads a sequence of (start, stop) pairs (any order, any overlap) into `out`.
+bool read_pairs(PyObject* arg, Intervals* out, const char* what) {
+  PyObject* seq = PySequence_Fast(arg, "expected a list of (start, stop) pairs");
+  if (seq == nullptr) return false;
+  bool ok = true;
+  for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(seq); ++i) {
+    PyObject* pair = PySequence_Fast(PySequence_Fast_GET_ITEM(seq, i), "expected a (start, stop) pair");
+    uintptr_t start = 0, stop = 0;
+    ok = pair != nullptr && PySequence_Fast_GET_SIZE(pair) == 2 &&
+        read_address(PySequence_Fast_GET_ITEM(pair, 0), &start, what) &&
+        read_address(PySequence_Fast_GET_ITEM(pair, 1), &stop, what);
+    if (pair != nullptr && PySequence_Fast_GET_SIZE(pair) != 2)
+      PyErr_Format(PyExc_TypeError, "%s: item %zd is not a (start, stop) pair", what, i);
+    Py_XDECREF(pair);
+    if (ok && start < stop) out->emplace_back(start, stop);
+  }
+  Py_DECREF(seq);
+  return ok;
+}
+
+// add_protected(intervals, identities): the protected set grew. Merged into what is
+// published in one pass over it, so a placement costs far less than publishing it all.
+PyObject* py_add_protected(PyObject*, PyObject* args) {
+  KVGUARD_TRY
+  PyObject *intervals_arg = nullptr, *identities_arg = nullptr;
+  if (!PyArg_ParseTuple(args, "OO:add_protected", &intervals_arg, &identities_arg)) return nullptr;
+  Intervals added;
+  if (!read_pairs(intervals_arg, &added, "add_protected")) return nullptr;
+  PyObject* seq = PySequence_Fast(identities_arg, "add_protected: expected a list of ints");
+  if (seq == nullptr) return nullptr;
+  std::vector<uintptr_t> more;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+    uintptr_t v = 0;
+    if (!read_address(PySequence_Fast_GET_ITEM(seq, i), &v, "add_protected")) {
+      Py_DECREF(seq);
+      return nullptr;
+    }
+    more.push_back(v);
+  }
+  Py_DECREF(seq);
+  std::sort(added.begin(), added.end());
+  std::sort(more.begin(), more.end());
+  auto next = std::make_shared<Protected>();
+  auto current = std::atomic_load(&g_protected);
+  Intervals all;
+  all.reserve(added.size() + (current ? current->intervals.size() : 0));
+  std::merge(current ? current->intervals.begin() : added.end(), current ? current->intervals.end() : added.end(),
+             added.begin(), added.end(), std::back_inserter(all));
+  for (const Interval& iv : all) {  // coalesce overlapping and touching ranges
+    if (!next->intervals.empty() && iv.first <= next->intervals.back().second) {
+      next->intervals.back().second = std::max(next->intervals.back().second, iv.second);
+    } else {
+      next->intervals.push_back(iv);
+    }
+  }
+  std::merge(current ? current->identities.begin() : more.end(), current ? current->identities.end() : more.end(),
+             more.begin(), more.end(), std::back_inserter(next->identities));
+  next->identities.erase(std::unique(next->identities.begin(), next->identities.end()),
+                         next->identities.end());
+  std::shared_ptr<const Protected> frozen = std::move(next);
+  std::atomic_store(&g_protected, std::move(frozen));
+  Py_RETURN_NONE;
+  KVGUARD_CATCH
+}
+
 PyObject* py_set_identities(PyObject*, PyObject* arg) {
   KVGUARD_TRY
   PyObject* seq = PySequence_Fast(arg, "set_identities: expected a list of ints (tensor._cdata)");
@@ -793,13 +904,247 @@ PyObject* py_set_callback(PyObject*, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
-PyObject* py_set_watch(PyObject*, PyObject* arg) {
-  if (!set_callable(arg, &g_watch, &g_has_watch, "set_watch")) return nullptr;
+PyObject* py_set_watch(PyObject*, PyObject* args) {
+  PyObject *watch = nullptr, *snapshots = Py_None;
+  if (!PyArg_ParseTuple(args, "O|O:set_watch", &watch, &snapshots)) return nullptr;
+  PyObject* frozen = nullptr;  // a tuple of (containers, held) tuple pairs
+  if (snapshots != Py_None) {
+    frozen = PySequence_Tuple(snapshots);
+    if (frozen == nullptr) return nullptr;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(frozen); ++i) {
+      PyObject* pair = PyTuple_GET_ITEM(frozen, i);
+      if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 ||
+          !PyTuple_Check(PyTuple_GET_ITEM(pair, 0)) || !PyTuple_Check(PyTuple_GET_ITEM(pair, 1))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "set_watch: snapshots must be (containers, held) pairs of tuples");
+        Py_DECREF(frozen);
+        return nullptr;
+      }
+    }
+  }
+  if (!set_callable(watch, &g_watch, &g_has_watch, "set_watch")) {
+    Py_XDECREF(frozen);
+    return nullptr;
+  }
+  PyObject* old = g_watch_snapshots;
+  g_watch_snapshots = watch == Py_None ? nullptr : frozen;
+  if (watch == Py_None) Py_XDECREF(frozen);
+  Py_XDECREF(old);
   Py_RETURN_NONE;
 }
 
 PyObject* py_writes(PyObject*, PyObject*) {
   return PyLong_FromUnsignedLongLong(g_writes.load(std::memory_order_relaxed));
+}
+
+
+// ---- describing protected tensors -------------------------------------------------------
+// What kvguard's protected set records of each tensor when it starts protecting it and
+// compares at the boundaries: which bytes its elements span, a hash of its identity and
+// layout (a re-pointed or reshaped tensor gets another), and a digest of its values. One
+// call for a whole batch: per tensor it costs a few metadata reads instead of a dozen
+// Python calls. The digest is the one kvguard._digest_c computes (through its capsule), so
+// digests taken here and there agree.
+
+struct DigestApi {
+  int version;
+  int max_dims;
+  uint64_t (*digest_strided)(const unsigned char*, Py_ssize_t, int, const Py_ssize_t*,
+                             const Py_ssize_t*);
+};
+
+const DigestApi* digest_api() {  // with the GIL; nullptr when kvguard._digest_c is missing
+  static const DigestApi* api = nullptr;
+  static bool tried = false;
+  if (!tried) {
+    tried = true;
+    api = static_cast<const DigestApi*>(PyCapsule_Import("kvguard._digest_c._api", 0));
+    if (api == nullptr || api->version != 1) {
+      PyErr_Clear();
+      api = nullptr;
+    }
+  }
+  return api;
+}
+
+inline uint64_t mix64(uint64_t h, uint64_t v) {  // splitmix64 over a running hash
+  h ^= v + 0x9E3779B97F4A7C15ULL + (h << 6) + (h >> 2);
+  h ^= h >> 30;
+  h *= 0xBF58476D1CE4E5B9ULL;
+  h ^= h >> 27;
+  h *= 0x94D049BB133111EBULL;
+  return h ^ (h >> 31);
+}
+
+struct Described {
+  bool plain = false;  // false: Python describes it (a subclass, sparse, nested, meta, ...)
+  uint64_t layout = 0, impl = 0;
+  uintptr_t start = 0, stop = 0;  // both 0: no element memory (empty, or no data yet)
+  bool dense = true;
+  c10::Device device{c10::kCPU};
+  // The digest: read on the host (CPU tensors inside their storage), left to Python's
+  // torch-op digest (other devices), or none (elements outside the storage).
+  enum { kNone, kHost, kDevice } digest_kind = kNone;
+  const unsigned char* data = nullptr;
+  Py_ssize_t itemsize = 0;
+  std::vector<Py_ssize_t> sizes, strides;
+  uint64_t digest = 0;
+};
+
+void describe_one(PyObject* obj, Described& d, bool want_digest, int max_dims) {
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (impl->layout() != c10::kStrided || impl->is_nested() || t.is_quantized() ||
+      !impl->has_storage() || impl->device_type() == c10::DeviceType::Meta ||
+      impl->has_symbolic_sizes_strides()) {
+    return;  // plain stays false
+  }
+  const c10::Storage& storage = impl->storage();
+  const auto* base = static_cast<const unsigned char*>(storage.data());  // never materializes COW
+  const int64_t offset = impl->storage_offset();
+  const int64_t itemsize = static_cast<int64_t>(impl->itemsize());
+  const auto sizes = impl->sizes();
+  const auto strides = impl->strides();
+  int64_t numel = 1, reach = 0;
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    if (sizes[k] < 0 || strides[k] < 0) return;
+    numel *= sizes[k];
+    reach += (sizes[k] > 0 ? sizes[k] - 1 : 0) * strides[k];
+  }
+  d.plain = true;
+  d.impl = reinterpret_cast<uintptr_t>(impl);
+  d.device = impl->device();
+  // As `t.data_ptr()` reads it (a storage freed with resize_(0) has a null base): no element
+  // memory only when that is null, as kvguard._torch.spans decides.
+  const uintptr_t first = reinterpret_cast<uintptr_t>(base) + (uintptr_t)(offset * itemsize);
+  if (first != 0 && numel > 0) {
+    d.start = first;
+    d.stop = first + (uintptr_t)((reach + 1) * itemsize);
+  }
+  // Dense: the elements tile their span (dims by ascending stride, each stepping exactly
+  // over the ones inside it), as kvguard._torch.is_dense decides.
+  if (!impl->is_contiguous()) {
+    std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of dims of size != 1
+    for (size_t k = 0; k < sizes.size(); ++k)
+      if (sizes[k] != 1) dims.emplace_back(strides[k], sizes[k]);
+    std::stable_sort(dims.begin(), dims.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    int64_t expected = 1;
+    for (const auto& [stride, size] : dims) {
+      if (stride != expected) {
+        d.dense = false;
+        break;
+      }
+      expected *= size;
+    }
+  }
+  uint64_t h = mix64(0x6B76677561726431ULL, d.impl);
+  h = mix64(h, reinterpret_cast<uintptr_t>(base));
+  h = mix64(h, (uint64_t)offset);
+  h = mix64(h, (uint64_t)static_cast<int>(impl->dtype().toScalarType()));
+  h = mix64(h, (uint64_t)static_cast<int>(d.device.type()) * 65536 + (uint64_t)(d.device.index() + 1));
+  h = mix64(h, sizes.size());
+  for (size_t k = 0; k < sizes.size(); ++k) h = mix64(mix64(h, (uint64_t)sizes[k]), (uint64_t)strides[k]);
+  d.layout = h;
+  if (!want_digest) return;
+  if (d.device.type() != c10::DeviceType::CPU) {
+    d.digest_kind = Described::kDevice;
+    return;
+  }
+  const bool inside = numel == 0 ||
+      (base != nullptr && offset >= 0 && (offset + reach + 1) * itemsize <= (int64_t)storage.nbytes());
+  if (!inside || (int)sizes.size() > max_dims) return;
+  d.digest_kind = Described::kHost;
+  d.data = base == nullptr ? nullptr : base + offset * itemsize;
+  d.itemsize = (Py_ssize_t)itemsize;
+  d.sizes.assign(sizes.begin(), sizes.end());
+  d.strides.assign(strides.begin(), strides.end());
+}
+
+// describe(tensors, plain_types, digest) -> list, one item per tensor: None when Python
+// must describe it (not one of `plain_types` exactly, or not plain strided memory), else
+// (layout, impl, device, start, stop, dense, digest): `layout` an int that changes when the
+// tensor is re-pointed or its layout changes, `impl` its TensorImpl address (`_cdata`),
+// `device` a torch.device, [start, stop) the bytes its elements span ((0, 0) for none),
+// `dense` whether the elements tile that span, and `digest` an int (CPU), None (nothing
+// readable, or `digest` false) or NotImplemented (another device: Python digests it there).
+PyObject* py_describe(PyObject*, PyObject* args) {
+  KVGUARD_TRY
+  PyObject *tensors = nullptr, *plain_types = nullptr;
+  int want_digest = 1;
+  if (!PyArg_ParseTuple(args, "O!O!p", &PyList_Type, &tensors, &PyTuple_Type, &plain_types,
+                        &want_digest)) {
+    return nullptr;
+  }
+  const DigestApi* api = want_digest ? digest_api() : nullptr;
+  const int max_dims = api == nullptr ? 0 : api->max_dims;
+  const Py_ssize_t n = PyList_GET_SIZE(tensors);
+  const Py_ssize_t ntypes = PyTuple_GET_SIZE(plain_types);
+  std::vector<Described> found((size_t)n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* obj = PyList_GET_ITEM(tensors, i);
+    bool plain = false;
+    for (Py_ssize_t k = 0; k < ntypes && !plain; ++k)
+      plain = (PyObject*)Py_TYPE(obj) == PyTuple_GET_ITEM(plain_types, k);
+    if (!plain || !THPVariable_Check(obj)) continue;
+    try {
+      describe_one(obj, found[(size_t)i], want_digest != 0, max_dims);
+    } catch (...) {
+      found[(size_t)i] = Described();  // Python describes it, and copes with what threw
+    }
+    if (api == nullptr && found[(size_t)i].digest_kind == Described::kHost)
+      found[(size_t)i].digest_kind = Described::kDevice;  // no C digest here: Python's
+  }
+  Py_BEGIN_ALLOW_THREADS  // the tensors stay alive: `tensors` holds them
+  for (Described& d : found) {
+    if (d.digest_kind == Described::kHost)
+      d.digest = api->digest_strided(d.data, d.itemsize, (int)d.sizes.size(), d.sizes.data(),
+                                     d.strides.data());
+  }
+  Py_END_ALLOW_THREADS
+  PyObject* out = PyList_New(n);
+  if (out == nullptr) return nullptr;
+  std::vector<std::pair<c10::Device, PyObject*>> devices;  // one torch.device per device
+  auto device_object = [&](c10::Device device) -> PyObject* {
+    for (auto& [known, object] : devices)
+      if (known == device) return Py_NewRef(object);
+    PyObject* object = THPDevice_New(device);
+    if (object != nullptr) devices.emplace_back(device, object);
+    return Py_XNewRef(object);
+  };
+  bool failed = false;
+  for (Py_ssize_t i = 0; i < n && !failed; ++i) {
+    const Described& d = found[(size_t)i];
+    PyObject* item = nullptr;
+    if (!d.plain) {
+      item = Py_NewRef(Py_None);
+    } else {
+      PyObject* digest = d.digest_kind == Described::kHost ? PyLong_FromUnsignedLongLong(d.digest)
+          : d.digest_kind == Described::kDevice ? Py_NewRef(Py_NotImplemented)
+          : Py_NewRef(Py_None);
+      PyObject* device = device_object(d.device);
+      item = digest == nullptr || device == nullptr ? nullptr
+          : Py_BuildValue("(KKNKKON)", (unsigned long long)d.layout, (unsigned long long)d.impl,
+                          device, (unsigned long long)d.start, (unsigned long long)d.stop,
+                          d.dense ? Py_True : Py_False, digest);
+      if (item == nullptr) {
+        Py_XDECREF(digest);
+        Py_XDECREF(device);
+      }
+    }
+    if (item == nullptr) {
+      failed = true;
+    } else {
+      PyList_SET_ITEM(out, i, item);
+    }
+  }
+  for (auto& [known, object] : devices) Py_DECREF(object);
+  if (failed) {
+    Py_DECREF(out);
+    return nullptr;
+  }
+  return out;
+  KVGUARD_CATCH
 }
 
 PyMethodDef methods[] = {
@@ -832,9 +1177,18 @@ PyMethodDef methods[] = {
      "object]]] | None) -> None\n\nCalled on a possible hit with the op's name and every "
      "tensor it writes; may return `after`, called as after() once the write is done or "
      "after(True) if the op raised."},
-    {"set_watch", py_set_watch, METH_O,
-     "set_watch(watch: Callable[[], object] | None) -> None\n\nCalled with no arguments "
-     "before every outermost write, while enabled."},
+    {"set_watch", py_set_watch, METH_VARARGS,
+     "set_watch(watch: Callable[[], object] | None, snapshots=None) -> None\n\nCalled with "
+     "no arguments before every outermost write, while enabled; with `snapshots`, a list of "
+     "(containers, held) pairs of tuples, only when kvguard._speedups.same_values(containers, "
+     "held) is false for one of them."},
+    {"add_protected", py_add_protected, METH_VARARGS,
+     "add_protected(intervals: list[tuple[int, int]], identities: list[int]) -> None\n\n"
+     "Protect more: merged into the published intervals and identities."},
+    {"describe", py_describe, METH_VARARGS,
+     "describe(tensors: list, plain_types: tuple[type, ...], digest: bool) -> list\n\nPer "
+     "tensor, None (Python must describe it) or (layout, impl, device, start, stop, dense, "
+     "digest): see kvguard/_write_hook.cpp."},
     {"writes", py_writes, METH_NOARGS,
      "writes() -> int\n\nHow many outermost writing ops ran while enabled."},
     {nullptr, nullptr, 0, nullptr}};

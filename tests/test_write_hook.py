@@ -490,6 +490,74 @@ def test_watch_exception_stops_the_write(h: ModuleType) -> None:
     assert torch.equal(x, torch.ones(3)) and x._version == 0
 
 
+def test_watch_with_snapshots_runs_only_when_a_container_changed(h: ModuleType) -> None:
+    from kvguard import _speedups  # the check the hook borrows
+
+    count = [0]
+
+    def watch() -> None:
+        count[0] += 1
+
+    d: dict[str, object] = {"a": torch.ones(1)}
+    lst = [torch.ones(1)]
+    snapshots = [((d, lst), (*d.values(), *lst))]
+    x = torch.ones(3)
+    h.set_watch(watch, snapshots)
+    h.set_enabled(True)
+    x.add_(1)
+    x.mul_(2)
+    assert count[0] == 0 and _speedups.same_values(*snapshots[0])
+    lst.append(torch.ones(1))  # a placement: the watch runs before every write until told again
+    x.add_(1)
+    x.add_(1)
+    assert count[0] == 2
+    h.set_watch(watch, [((d, lst), (*d.values(), *lst))])
+    x.add_(1)
+    assert count[0] == 2
+    d["a"] = torch.zeros(1)
+    x.add_(1)
+    assert count[0] == 3
+    h.set_watch(watch, [((1,), ())])  # not lists and dicts
+    x.add_(1)  # a snapshot the check refuses: the watch decides
+    assert count[0] == 4
+
+
+def test_set_watch_refuses_malformed_snapshots(h: ModuleType) -> None:
+    for bad in ([1], [(1, 2)], [((), ())[0:1]], "no"):
+        with pytest.raises(TypeError):
+            h.set_watch(lambda: None, bad)
+    with pytest.raises(TypeError):
+        h.set_watch("nope", [])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_add_protected_merges_like_merge_intervals(h: ModuleType, seed: int) -> None:
+    """Intervals added piecemeal protect exactly what one merged set would, here and in the Python twin."""
+    import random
+
+    from kvguard import _kernels, _torch
+
+    rng = random.Random(seed)
+    buffer = bytearray(4096)
+    lo = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
+    first = [(lo + a, lo + a + rng.randint(1, 64)) for a in rng.sample(range(0, 3900), 12)]
+    more = [(lo + a, lo + a + rng.randint(0, 64)) for a in rng.sample(range(0, 3900), rng.randint(1, 8))]
+    want = _torch.merge_intervals(first + [iv for iv in more if iv[0] < iv[1]])
+    h.set_intervals(_torch.merge_intervals(first))
+    h.add_protected(more, [7, 3])
+    _kernels.set_intervals(_torch.merge_intervals(first))
+    _kernels.add_protected(more, [])
+    assert list(zip(*_kernels._state.intervals)) == want
+    recorder = Recorder()
+    h.set_callback(recorder)
+    h.set_enabled(True)
+    for offset in rng.sample(range(0, 4000), 60):
+        recorder.calls.clear()  # a tensor whose storage is that one byte: the hook compares storages
+        torch.frombuffer(memoryview(buffer)[offset:offset + 1], dtype=torch.uint8).add_(1)
+        inside = any(a <= lo + offset < b for a, b in want)
+        assert bool(recorder.calls) is inside, (offset, want)
+
+
 # ---- same behaviour as unguarded ------------------------------------------------------
 
 

@@ -1,0 +1,111 @@
+"""What the protected set records of each tensor: its memory, a layout token, a digest.
+
+Taken for a whole batch when a guard starts protecting tensors, and again at its
+boundaries to compare. With the compiled extension loaded (`_write_hook.describe`), a
+plain strided tensor costs a few metadata reads in C++ and its digest one pass over its
+bytes, for the whole batch in one call; subclasses, sparse, nested and meta tensors, and
+every tensor without the extension, are read in Python through torch's API. Both give
+the same spans and digests; only the layout token differs in kind (an int from C++, a
+tuple from Python), and a set keeps to one source for its whole life.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from kvguard import _digest, _torch
+
+# A record: (layout, impl, device, start, stop, dense, digest). `layout` changes when the
+# tensor is re-pointed or reshaped; `impl` is its TensorImpl address (`_cdata`, None if it
+# has none). From C++: `device` is a torch.device and [start, stop) the bytes its elements
+# span ((0, 0): none), `dense` whether they tile it. From Python: `device` is None and
+# `start` holds the spans (`_torch.spans`). `digest` is its values' digest (None: none).
+Record = tuple[Any, ...]
+LAYOUT, IMPL, DEVICE, START, STOP, DENSE, DIGEST = range(7)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def compiled_describe() -> Optional[ModuleType]:
+    """The compiled extension, if this process has loaded it (never builds it)."""
+    import sys
+
+    from kvguard._build import MODULE_NAME
+
+    module = sys.modules.get(MODULE_NAME)
+    return module if module is not None and hasattr(module, "describe") else None
+
+
+def describe(tensors: Sequence[torch.Tensor], digest: bool, compiled: Optional[ModuleType]) -> list[Record]:
+    """A record of each tensor (alive: the caller holds them). Never raises."""
+    found: list[Any] = [None] * len(tensors)
+    if compiled is not None:
+        try:
+            found = compiled.describe(list(tensors), _PLAIN, digest)
+        except Exception:  # noqa: BLE001 - Python reads them all instead
+            found = [None] * len(tensors)
+    pending: list[int] = []  # digests Python takes: other devices, and what C++ left to it
+    for i, record in enumerate(found):
+        if record is None:
+            tensor = tensors[i]
+            found[i] = (_torch.storage_fingerprint(tensor), _impl(tensor), None, _torch.spans(tensor), None,
+                        None, None)
+            if digest:
+                pending.append(i)
+        elif record[DIGEST] is NotImplemented:
+            pending.append(i)
+    if pending:
+        for i, value in zip(pending, _digest.digests([tensors[i] for i in pending])):
+            found[i] = found[i][:DIGEST] + (value,)
+    return found
+
+
+def spans(record: Record) -> list[_torch.Span]:
+    """The byte spans of a record's tensor, as `_torch.spans` gives them."""
+    if record[DEVICE] is None:
+        found: list[_torch.Span] = record[START]
+        return found
+    return [_torch.Span(record[DEVICE], record[START], record[STOP], record[DENSE])] if record[STOP] else []
+
+
+def has_memory(record: Record) -> bool:
+    """Whether a record's tensor has element bytes (else writes to it are matched by identity)."""
+    return bool(record[START]) if record[DEVICE] is None else record[STOP] != 0
+
+
+def intervals(records: Iterable[Record]) -> list[tuple[int, int]]:
+    """The `[start, stop)` byte ranges of the records' tensors (all devices together), unsorted."""
+    found = []
+    for record in records:
+        if record[DEVICE] is not None:
+            if record[STOP]:
+                found.append((record[START], record[STOP]))
+        else:
+            found += [(span.start, span.stop) for span in record[START]]
+    return found
+
+
+def layout_text(record: Record) -> str:
+    """How a report shows a record's memory and layout."""
+    layout = record[LAYOUT]
+    if record[DEVICE] is not None:
+        return f"elements at {record[START]:#x}..{record[STOP]:#x} on {record[DEVICE]}" if record[STOP] else (
+            f"no element memory on {record[DEVICE]}")
+    if isinstance(layout, tuple) and len(layout) >= 5:
+        return f"data_ptr {layout[1]:#x}, shape {tuple(layout[2])}, stride {layout[3]}, offset {layout[4]}"
+    return repr(layout[1:]) if isinstance(layout, tuple) and len(layout) > 1 else "unknown"
+
+
+def tensor_text(tensor: torch.Tensor) -> str:
+    """How a report shows a live tensor's memory and layout (read in Python, fully)."""
+    fp = _torch.storage_fingerprint(tensor)
+    return layout_text((fp, None, None, None, None, None, None))
+
+
+def _impl(tensor: torch.Tensor) -> Optional[int]:
+    try:
+        return int(tensor._cdata)
+    except Exception:  # noqa: BLE001 - a subclass without one: found by its memory
+        return None
