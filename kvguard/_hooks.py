@@ -107,10 +107,9 @@ class HookEngine:
         """
         with self._lock:
             judges, backend = self.judges, self.backend
-            if added is None or not hasattr(backend, "add_protected"):
-                backend.set_intervals(judges[0].protected.intervals() if len(judges) == 1 else
-                                      _torch.merge_intervals(s for j in judges for s in j.protected.intervals()))
-                backend.set_identities([i for j in judges for i in j.protected.identities()])  # sorted there
+            if added is None:  # all of it, in one publication (the backend sorts and merges)
+                backend.add_protected([s for j in judges for s in j.protected.intervals(merged=False)],
+                                      [i for j in judges for i in j.protected.identities()], True)
                 backend.set_send_all(any(j.protected.by_identity for j in judges))
             elif added:
                 records = [e.record for e in added]

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from kvguard import _torch
+from kvguard._torch import merge_intervals
 from kvguard._hooks import outside_dynamo, overload_of
 
 _KEY = "ADInplaceOrView"
@@ -98,8 +99,14 @@ def set_intervals(intervals: Sequence[tuple[int, int]]) -> None:
     _state.intervals = ([int(a) for a, _ in intervals], [int(b) for _, b in intervals])
 
 
-def add_protected(intervals: Sequence[tuple[int, int]], identities: Sequence[int]) -> None:
-    """Protect more: merged into the intervals and identities (published as new objects)."""
+def add_protected(intervals: Sequence[tuple[int, int]], identities: Sequence[int], replace: bool = False) -> None:
+    """Protect more (any order, any overlap): merged into the intervals and identities, or
+    instead of them (`replace`). Published as new objects: readers keep the old ones."""
+    if replace:
+        merged = merge_intervals((int(a), int(b)) for a, b in intervals if a < b)
+        _state.intervals = ([a for a, _ in merged], [b for _, b in merged])
+        _state.identities = frozenset(int(i) for i in identities)
+        return
     if intervals:
         starts, stops = (list(side) for side in _state.intervals)  # copies: readers keep the old pair
         for start, stop in sorted((int(a), int(b)) for a, b in intervals if a < b):

@@ -139,7 +139,7 @@ class ProtectedSet:
                 return self._scan_now(frames)
             if diff is None:  # attributes, pytree nodes, mappings, probes: their container again
                 self._walked.pop(id(owner.obj), None)
-                found, watched = _tree.walk(owner.obj, owner.path, _is_tensor, self._keys, self._ignore,
+                found, watched = _tree.walk(owner.obj, owner.path, torch.Tensor, self._keys, self._ignore,
                                             top_keys=self.keys_seen, chain=owner.chain, seen=self._walked,
                                             owners=self._owners)
                 leaves += found
@@ -151,7 +151,7 @@ class ProtectedSet:
                                        self._ignore, self.keys_seen)
                 kids = [(step, value) for step, value, _, _ in kept]
             for step, value in kids:
-                found, watched = _tree.walk(value, owner.path + _tree.step_text(step), _is_tensor,
+                found, watched = _tree.walk(value, owner.path + _tree.step_text(step), torch.Tensor,
                                             chain=owner.chain + ((target, step),), seen=self._walked,
                                             owners=self._owners)
                 leaves += found
@@ -205,9 +205,11 @@ class ProtectedSet:
         """Whether a placement can happen: the guarded object has containers to watch."""
         return bool(self._watch.containers or self._watch.probed)
 
-    def intervals(self) -> list[tuple[int, int]]:
-        """The protected memory as sorted, disjoint `[start, stop)` byte ranges (all devices together)."""
-        return _torch.merge_intervals(_records.intervals(e.record for e in self._entries.values()))
+    def intervals(self, merged: bool = True) -> list[tuple[int, int]]:
+        """The protected memory as `[start, stop)` byte ranges (all devices together): sorted and
+        disjoint, or as the entries have them (`merged=False`, for a hook that merges them itself)."""
+        found = _records.intervals(e.record for e in self._entries.values())
+        return _torch.merge_intervals(found) if merged else found
 
     def identities(self) -> list[int]:
         """The TensorImpl addresses of the protected tensors: a write to one of them is looked at
@@ -246,7 +248,7 @@ class ProtectedSet:
         for key in [k for k, e in self._entries.items() if e.ref() is None]:
             del self._entries[key]
         self._owners, self._walked = {}, {}
-        leaves, containers = _tree.walk(self._root, self._name, _is_tensor, self._keys, self._ignore,
+        leaves, containers = _tree.walk(self._root, self._name, torch.Tensor, self._keys, self._ignore,
                                         top_keys=self.keys_seen, seen=self._walked, owners=self._owners)
         reached: dict[int, Any] = {}  # id -> the path, or a list of paths when several reach it
         new: list[_tree.Leaf] = []
@@ -558,10 +560,6 @@ class _Strong:
 
     def __call__(self) -> torch.Tensor:
         return self.tensor
-
-
-def _is_tensor(obj: Any) -> bool:
-    return isinstance(obj, torch.Tensor)
 
 
 def _placed_at(frames: list[Any], chain: tuple[tuple[Any, Any], ...]) -> str:

@@ -13,6 +13,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <string.h>
 
 /* 1 when the containers hold exactly `held`, 0 when not, -1 with an exception set. */
 static int
@@ -29,9 +30,11 @@ check(PyObject *containers, PyObject *held)
             Py_ssize_t n = PyList_GET_SIZE(container);
             if (k + n > n_held)
                 return 0;
-            for (Py_ssize_t i = 0; i < n; i++, k++)
-                if (PyList_GET_ITEM(container, i) != PyTuple_GET_ITEM(held, k))
-                    return 0;
+            /* Both keep their items as contiguous pointer arrays: one memcmp. */
+            if (n && memcmp(((PyListObject *)container)->ob_item, ((PyTupleObject *)held)->ob_item + k,
+                            (size_t)n * sizeof(PyObject *)) != 0)
+                return 0;
+            k += n;
         }
         else if (PyDict_Check(container)) {
             Py_ssize_t pos = 0;

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import keyword
 import sys
 import types
@@ -50,6 +51,9 @@ class Leaf(NamedTuple):
     path: str
     tensor: Any
     chain: tuple[tuple[Container, Any], ...]
+
+
+_leaf = functools.partial(tuple.__new__, Leaf)  # Leaf((path, tensor, chain)) without the Python-level __new__
 
 
 class Probe(NamedTuple):
@@ -310,7 +314,7 @@ def _watch(obj: Any, kind: int, watched: list[Container], ids: set[int], slots: 
 def walk(
     root: Any,
     name: str,
-    is_tensor: Callable[[Any], bool],
+    is_tensor: Callable[[Any], bool] | type,
     keys: Optional[Collection[Any]] = None,
     ignore: Collection[Any] = (),
     top_keys: Optional[set[Any]] = None,
@@ -319,6 +323,9 @@ def walk(
     owners: Optional[dict[int, Owner]] = None,
 ) -> tuple[list[Leaf], list[Container]]:
     """All tensor leaves under `root`, and what to watch to notice placements.
+
+    A leaf is a tensor when `is_tensor(leaf)` says so, or, when `is_tensor` is a type
+    (cheaper), when it is an instance of it.
 
     The second list holds the dicts and lists to compare (containers met on the way,
     instance `__dict__`s, storage dicts) and `Probe`s for what only Python can read.
@@ -337,6 +344,11 @@ def walk(
     leaves: list[Leaf] = []
     watched: list[Container] = []
     seen = {} if seen is None else seen
+    if isinstance(is_tensor, type):
+        tensor_type = is_tensor
+        is_tensor = lambda obj: isinstance(obj, tensor_type)  # noqa: E731
+    else:
+        tensor_type = None
     watched_ids: set[int] = set()
     kinds: dict[type, int] = {}
     slots: dict[type, tuple[Any, ...]] = {}
@@ -351,7 +363,7 @@ def walk(
     while stack:
         obj, path, chain_, is_leaf = stack.pop()
         if is_leaf:
-            leaves.append(Leaf(path, obj, chain_))  # a tensor under two paths appears twice
+            leaves.append(_leaf((path, obj, chain_)))  # a tensor under two paths appears twice
             continue
         kind = kinds[type(obj)]
         if kind == _LEAF or id(obj) in seen:
@@ -369,7 +381,7 @@ def walk(
         nested = False
         for child in children:
             value = child[1]
-            if is_tensor(value):
+            if isinstance(value, tensor_type) if tensor_type is not None else is_tensor(value):
                 pending.append((child, True))
                 continue
             tp = type(value)
@@ -381,8 +393,8 @@ def walk(
                 nested = True
         if not nested:  # tensors only (a per-sample list): their leaves in order, no trip through the stack
             for (_, value, step, suffix), _ in pending:
-                leaves.append(Leaf(path + (suffix if suffix is not None else f"[{step}]" if type(step) is int
-                                           else step_text(step)), value, chain_ + ((obj, step),)))
+                leaves.append(_leaf((path + (suffix if suffix is not None else f"[{step}]" if type(step) is int
+                                             else step_text(step)), value, chain_ + ((obj, step),))))
             continue
         for (_, value, step, suffix), leaf in reversed(pending):
             stack.append((value, path + (suffix if suffix is not None else step_text(step)),

@@ -17,7 +17,8 @@
 //   hooked_ops() -> list[str] ("ns::name.overload", "default" for the unnamed overload)
 //   set_enabled(bool), enabled() -> bool, set_send_all(bool), writes() -> int
 //   set_intervals(list[tuple[int, int]]), set_identities(list[int])
-//   add_protected(list[tuple[int, int]], list[int]): more of both (intervals sorted, any overlap)
+//   add_protected(list[tuple[int, int]], list[int], replace=False): more of both (in any
+//     order, with any overlap), or instead of them
 //   set_watch(callable | None, snapshots=None): called with no arguments before each judged
 //     write; with `snapshots`, a list of (containers, held) tuple pairs, only when one of
 //     them changed (kvguard._speedups's identity check, run here without Python code)
@@ -808,12 +809,16 @@ bool read_pairs(PyObject* arg, Intervals* out, const char* what) {
   return ok;
 }
 
-// add_protected(intervals, identities): the protected set grew. Merged into what is
-// published in one pass over it, so a placement costs far less than publishing it all.
+// add_protected(intervals, identities, replace=False): the protected set grew (merged into
+// what is published in one pass over it, so a placement costs far less than publishing it
+// all), or is this (`replace`: sorted and merged here, published at once).
 PyObject* py_add_protected(PyObject*, PyObject* args) {
   KVGUARD_TRY
   PyObject *intervals_arg = nullptr, *identities_arg = nullptr;
-  if (!PyArg_ParseTuple(args, "OO:add_protected", &intervals_arg, &identities_arg)) return nullptr;
+  int replace = 0;
+  if (!PyArg_ParseTuple(args, "OO|p:add_protected", &intervals_arg, &identities_arg, &replace)) {
+    return nullptr;
+  }
   Intervals added;
   if (!read_pairs(intervals_arg, &added, "add_protected")) return nullptr;
   PyObject* seq = PySequence_Fast(identities_arg, "add_protected: expected a list of ints");
@@ -831,7 +836,7 @@ PyObject* py_add_protected(PyObject*, PyObject* args) {
   std::sort(added.begin(), added.end());
   std::sort(more.begin(), more.end());
   auto next = std::make_shared<Protected>();
-  auto current = std::atomic_load(&g_protected);
+  auto current = replace ? std::shared_ptr<const Protected>() : std::atomic_load(&g_protected);
   Intervals all;
   all.reserve(added.size() + (current ? current->intervals.size() : 0));
   std::merge(current ? current->intervals.begin() : added.end(), current ? current->intervals.end() : added.end(),
@@ -1183,8 +1188,9 @@ PyMethodDef methods[] = {
      "(containers, held) pairs of tuples, only when kvguard._speedups.same_values(containers, "
      "held) is false for one of them."},
     {"add_protected", py_add_protected, METH_VARARGS,
-     "add_protected(intervals: list[tuple[int, int]], identities: list[int]) -> None\n\n"
-     "Protect more: merged into the published intervals and identities."},
+     "add_protected(intervals: list[tuple[int, int]], identities: list[int], replace: bool = "
+     "False) -> None\n\nProtect more (any order, any overlap): merged into the published "
+     "intervals and identities, or published instead of them (`replace`)."},
     {"describe", py_describe, METH_VARARGS,
      "describe(tensors: list, plain_types: tuple[type, ...], digest: bool) -> list\n\nPer "
      "tensor, None (Python must describe it) or (layout, impl, device, start, stop, dense, "

@@ -532,7 +532,8 @@ def test_set_watch_refuses_malformed_snapshots(h: ModuleType) -> None:
 
 @pytest.mark.parametrize("seed", range(20))
 def test_add_protected_merges_like_merge_intervals(h: ModuleType, seed: int) -> None:
-    """Intervals added piecemeal protect exactly what one merged set would, here and in the Python twin."""
+    """Intervals published whole, then added piecemeal, in any order, protect exactly what one
+    merged set would, here and in the Python twin."""
     import random
 
     from kvguard import _kernels, _torch
@@ -543,9 +544,11 @@ def test_add_protected_merges_like_merge_intervals(h: ModuleType, seed: int) -> 
     first = [(lo + a, lo + a + rng.randint(1, 64)) for a in rng.sample(range(0, 3900), 12)]
     more = [(lo + a, lo + a + rng.randint(0, 64)) for a in rng.sample(range(0, 3900), rng.randint(1, 8))]
     want = _torch.merge_intervals(first + [iv for iv in more if iv[0] < iv[1]])
-    h.set_intervals(_torch.merge_intervals(first))
+    h.add_protected([(lo, lo + 4096)], [], True)  # replaced below, as a whole
+    h.add_protected(first[::-1], [5], True)
     h.add_protected(more, [7, 3])
-    _kernels.set_intervals(_torch.merge_intervals(first))
+    _kernels.add_protected([(lo, lo + 4096)], [], True)
+    _kernels.add_protected(first[::-1], [5], True)
     _kernels.add_protected(more, [])
     assert list(zip(*_kernels._state.intervals)) == want
     recorder = Recorder()
