@@ -1,9 +1,12 @@
-/* kvguard._speedups: the placement check in C.
+/* kvguard._speedups: the placement check, and the walk's leaves for a list of tensors, in C.
  *
  * same_values(containers, held) -> bool
  *   True when the lists and dicts in `containers` (a tuple), walked in order, hold
  *   exactly the objects of `held` (a tuple), compared by identity. No Python code runs
  *   and no object is compared by value, so a tensor's __eq__ is never called.
+ *
+ * list_leaves(lst, path, chain, tensor_type, leaf_type) -> list | None
+ *   The walk's leaves for a list of tensors, built in C (see below).
  *
  * The capsule `kvguard._speedups._api` gives the same check to kvguard._write_hook, which
  * runs it before every writing op without entering Python code.
@@ -65,6 +68,69 @@ same_values(PyObject *self, PyObject *args)
     return PyBool_FromLong(same);
 }
 
+/* list_leaves(lst, path, chain, tensor_type, leaf_type) -> list | None
+ *   The leaves of a list whose items are all instances of `tensor_type` (a per-sample
+ *   list of tensors): `leaf_type((f"{path}[{i}]", item, chain + ((lst, i),)))` for each,
+ *   in order; None as soon as one item is something else (the caller walks it in Python). */
+static PyObject *
+list_leaves(PyObject *self, PyObject *args)
+{
+    PyObject *lst, *path, *chain, *tensor_type;
+    PyTypeObject *leaf_type;
+    if (!PyArg_ParseTuple(args, "O!UO!OO!", &PyList_Type, &lst, &path, &PyTuple_Type, &chain, &tensor_type,
+                          &PyType_Type, &leaf_type))
+        return NULL;
+    if (!PyType_IsSubtype(leaf_type, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "list_leaves(): leaf_type must be a tuple subclass");
+        return NULL;
+    }
+    /* A copy of its storage (no __iter__ of a subclass runs): user code cannot change it under us. */
+    PyObject *items = PyList_GetSlice(lst, 0, PY_SSIZE_T_MAX);
+    if (items == NULL)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(items), depth = PyTuple_GET_SIZE(chain);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int is = PyObject_IsInstance(PyList_GET_ITEM(items, i), tensor_type);
+        if (is <= 0) {
+            Py_DECREF(items);
+            if (is < 0)
+                return NULL;
+            Py_RETURN_NONE;
+        }
+    }
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(items, i);
+        PyObject *leaf_path = PyUnicode_FromFormat("%U[%zd]", path, i);
+        PyObject *index = PyLong_FromSsize_t(i);
+        PyObject *step = index == NULL ? NULL : PyTuple_Pack(2, lst, index);
+        PyObject *leaf_chain = step == NULL ? NULL : PyTuple_New(depth + 1);
+        PyObject *leaf = leaf_chain == NULL || leaf_path == NULL ? NULL : leaf_type->tp_alloc(leaf_type, 3);
+        Py_XDECREF(index);
+        if (leaf == NULL) {
+            Py_XDECREF(leaf_path);
+            Py_XDECREF(step);
+            Py_XDECREF(leaf_chain);
+            goto fail;
+        }
+        for (Py_ssize_t d = 0; d < depth; d++)
+            PyTuple_SET_ITEM(leaf_chain, d, Py_NewRef(PyTuple_GET_ITEM(chain, d)));
+        PyTuple_SET_ITEM(leaf_chain, depth, step);
+        PyTuple_SET_ITEM(leaf, 0, leaf_path);
+        PyTuple_SET_ITEM(leaf, 1, Py_NewRef(item));
+        PyTuple_SET_ITEM(leaf, 2, leaf_chain);
+        PyList_SET_ITEM(out, i, leaf);
+    }
+    Py_DECREF(items);
+    return out;
+fail:
+    Py_XDECREF(out);
+    Py_DECREF(items);
+    return NULL;
+}
+
 /* The capsule's contents: a version and the check (the GIL held, `containers` and `held` tuples). */
 typedef struct {
     int version;
@@ -76,6 +142,8 @@ static kvguard_speedups_api api = {1, check};
 static PyMethodDef methods[] = {
     {"same_values", same_values, METH_VARARGS,
      "same_values(containers, held): do the lists and dicts hold exactly `held`, by identity?"},
+    {"list_leaves", list_leaves, METH_VARARGS,
+     "list_leaves(lst, path, chain, tensor_type, leaf_type): the leaves of a list of tensors, or None"},
     {NULL, NULL, 0, NULL},
 };
 

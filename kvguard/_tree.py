@@ -371,6 +371,11 @@ def walk(
         seen[id(obj)] = obj
         _watch(obj, kind, watched, watched_ids, slots, Owner(obj, path, chain_) if owners is not None else None,
                owners)
+        if kind == _LIST and chain_ and tensor_type is not None and _list_leaves_c is not None:
+            found = _list_leaves_c(obj, path, chain_, tensor_type, Leaf)  # a list of tensors, in C
+            if found is not None:
+                leaves += found
+                continue
         try:
             children = _children(obj, kind)
         except Exception:  # noqa: BLE001 - a container whose iteration raises
@@ -427,10 +432,13 @@ def _contains(collection: Collection[Any], key: Any) -> bool:
 
 
 _same_values_c: Optional[Callable[[tuple[Any, ...], tuple[Any, ...]], bool]]
-try:  # the same check in C, when the optional extension built
-    from kvguard._speedups import same_values as _same_values_c
-except ImportError:  # pragma: no cover - exercised by forcing the fallback in tests
-    _same_values_c = None
+_list_leaves_c: Optional[Callable[..., Optional[list[Any]]]]
+try:  # the same check, and the leaves of a list of tensors, in C, when the optional extension built
+    from kvguard import _speedups
+
+    _same_values_c, _list_leaves_c = _speedups.same_values, _speedups.list_leaves
+except (ImportError, AttributeError):  # pragma: no cover - no compiler at install (or a stale build)
+    _same_values_c = _list_leaves_c = None
 
 
 class Snapshot(NamedTuple):

@@ -110,3 +110,18 @@ def test_size_lists_and_workload_sets() -> None:
     wide = next(w for w in realistic if w.name == "adv_wide")
     assert wide.tensors == 6 * 512 + 1
     assert [h for _, h, _ in bench.CONTENDERS] == CONTENDERS
+
+
+def test_the_scaling_benchmark_runs_and_prints_a_row_per_size() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_scaling.py"), "--sizes", "49,600",
+                           "--rounds", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0 and "compiled" in proc.stderr and not os.environ.get("CI"):
+        import pytest
+
+        pytest.skip("the compiled engine is not available here")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line.split(" | ") for line in proc.stdout.splitlines() if line[:1].isdigit()]
+    assert [r[0] for r in rows] == ["49", "600"]
+    for _, per_write, per_placement in rows:
+        float(per_write.replace(",", "")), float(per_placement.replace(",", ""))

@@ -84,3 +84,30 @@ def test_the_c_helper_refuses_other_containers() -> None:
         pytest.skip("the optional C helper did not build here")
     with pytest.raises(TypeError, match="lists and dicts only"):
         _tree._same_values_c(((1, 2),), (1, 2))
+
+
+class Tagged(torch.Tensor):
+    pass
+
+
+class Noisy(list):  # type: ignore[type-arg]
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        raise RuntimeError("a walk must read the list's storage, not iterate it")
+
+
+def test_the_c_list_fast_path_gives_the_python_walks_leaves() -> None:
+    if _tree._list_leaves_c is None:
+        pytest.skip("the optional C helper did not build here")
+    p = torch.nn.Parameter(torch.ones(1))
+    t = torch.ones(2)
+    obj = {"plain": [torch.ones(1), t, t], "mixed": [torch.ones(1), 3, "x"], "nested": [[p, torch.ones(1)], []],
+           "noisy": Noisy([torch.ones(3)]), "empty": [], "sub": [torch.ones(1).as_subclass(Tagged)]}
+
+    def key(leaves: list[_tree.Leaf]) -> list[tuple[Any, ...]]:
+        return [(lf.path, id(lf.tensor), tuple((id(c), s) for c, s in lf.chain)) for lf in leaves]
+
+    fast, fast_watched = _tree.walk(obj, "d", torch.Tensor)
+    slow, slow_watched = _tree.walk(obj, "d", lambda v: isinstance(v, torch.Tensor))
+    assert key(fast) == key(slow)
+    assert [id(c) for c in fast_watched] == [id(c) for c in slow_watched]
+    assert all(type(lf) is _tree.Leaf for lf in fast)
