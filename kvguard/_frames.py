@@ -58,9 +58,20 @@ def user_frames(start: Optional[types.FrameType] = None) -> Iterator[types.Frame
     frame: Optional[types.FrameType] = start if start is not None else sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not _is_internal(filename if os.path.isabs(filename) else os.path.abspath(filename)):
+        internal = _internal_files.get(filename)
+        if internal is None:
+            if len(_internal_files) >= 4096:
+                _internal_files.clear()
+            internal = _internal_files[filename] = _is_internal(
+                filename if os.path.isabs(filename) else os.path.abspath(filename))
+        if not internal:
             yield frame
         frame = frame.f_back
+
+
+# co_filename -> whether its frames are internal (a relative name is read against the
+# working directory of its first sighting, as the interpreter compiled it)
+_internal_files: dict[str, bool] = {}
 
 
 class Site(NamedTuple):

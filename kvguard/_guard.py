@@ -222,9 +222,9 @@ class Guard:
         from kvguard import _diff
         from kvguard._judge import UNOBSERVED_DIFF, unobserved_event
 
-        site = site or self.exit_site or _frames.user_site()
         events = []
-        for change in self._protected.boundary_changes(list(_frames.user_frames(sys._getframe(1))), rescan):
+        for change in self._protected.boundary_changes(sys._getframe(1), rescan):
+            site = site or self.exit_site or _frames.user_site()
             tensor = change.tensor
             if change.kind == "values":
                 before = f"digest {_digest_text(change.was)}"

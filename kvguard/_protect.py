@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import gc
 import sys
+import types
 import weakref
 from typing import Any, Callable, Collection, Iterator, NamedTuple, Optional, Sequence
 
@@ -327,8 +328,10 @@ class ProtectedSet:
             entry.digest, entry.explained = digest, False
         return found
 
-    def boundary_changes(self, frames: Optional[list[Any]], rescan: bool = True) -> list[Change]:
+    def boundary_changes(self, caller: Optional[types.FrameType], rescan: bool = True) -> list[Change]:
         """Entries whose values or memory changed with no op reporting it, each found once.
+
+        `caller` is the frame that checks, where placements found now are located from.
 
         Looks at placements since the last write op first. A storage move that keeps
         the values (`share_memory_()`, a multiprocessing queue) is no change: the entry
@@ -339,7 +342,7 @@ class ProtectedSet:
         # containers that cannot be watched); at the exit, where a tensor placed now would
         # have nothing to be compared with, only when a watched one changed.
         if rescan or self._dirty or self._paths_stale or _tree.changed(self._watch):
-            self._scan(frames)
+            self._scan(list(_frames.user_frames(caller)) if caller is not None else None)
         with _collector_paused():
             found = self._changes_now()
         if found:
