@@ -21,6 +21,7 @@ import torch
 
 from kvguard import _frames, _records, _torch
 from kvguard._judge import After, WriteJudge
+from kvguard._protect import collector_paused
 
 
 def outside_dynamo(fn: Any) -> Any:
@@ -105,7 +106,7 @@ class HookEngine:
 
         Then the watch: the containers to compare before each write, where placements show.
         """
-        with self._lock:
+        with self._lock, collector_paused():  # lists as long as the protected set: no collection midway
             judges, backend = self.judges, self.backend
             if added is None:  # all of it, in one publication (the backend sorts and merges)
                 backend.add_protected([s for j in judges for s in j.protected.intervals(merged=False)],

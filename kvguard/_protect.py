@@ -119,7 +119,7 @@ class ProtectedSet:
             self._forget_dead()
         if _tree.changed(self._watch):
             frames = list(_frames.user_frames(sys._getframe(1)))
-            with _collector_paused():
+            with collector_paused():
                 self._place(frames)
 
     def _place(self, frames: list[Any]) -> None:
@@ -240,7 +240,7 @@ class ProtectedSet:
         return moved
 
     def _scan(self, frames: Optional[list[Any]]) -> None:
-        with _collector_paused():
+        with collector_paused():
             self._scan_now(frames)
 
     def _scan_now(self, frames: Optional[list[Any]]) -> None:
@@ -343,7 +343,7 @@ class ProtectedSet:
         # have nothing to be compared with, only when a watched one changed.
         if rescan or self._dirty or self._paths_stale or _tree.changed(self._watch):
             self._scan(list(_frames.user_frames(caller)) if caller is not None else None)
-        with _collector_paused():
+        with collector_paused():
             found = self._changes_now()
         if found:
             self.settle()
@@ -531,7 +531,7 @@ class _Groups:
         return i < len(self.starts) and self.starts[i] < hi
 
 
-class _CollectorPaused:
+class CollectorPaused:
     """No garbage collection while a look allocates its entries.
 
     A look over 15,000 tensors allocates ~100,000 objects, enough to trigger a full
@@ -550,7 +550,7 @@ class _CollectorPaused:
             gc.enable()
 
 
-_collector_paused = _CollectorPaused
+collector_paused = CollectorPaused
 
 
 class _Strong:
