@@ -177,12 +177,15 @@ struct SpeedupsApi {
   int (*same_values)(PyObject* containers, PyObject* held);
 };
 
-const SpeedupsApi* speedups_api() {  // with the GIL; nullptr when kvguard._speedups is missing
-  static const SpeedupsApi* api = nullptr;
+// The functions a kvguard C helper lends through its `_api` capsule (version 1), imported
+// once; nullptr when the helper did not build. With the GIL.
+template <class Api>
+const Api* borrowed_api(const char* capsule) {
+  static const Api* api = nullptr;
   static bool tried = false;
   if (!tried) {
     tried = true;
-    api = static_cast<const SpeedupsApi*>(PyCapsule_Import("kvguard._speedups._api", 0));
+    api = static_cast<const Api*>(PyCapsule_Import(capsule, 0));
     if (api == nullptr || api->version != 1) {
       PyErr_Clear();
       api = nullptr;
@@ -190,6 +193,8 @@ const SpeedupsApi* speedups_api() {  // with the GIL; nullptr when kvguard._spee
   }
   return api;
 }
+
+const SpeedupsApi* speedups_api() { return borrowed_api<SpeedupsApi>("kvguard._speedups._api"); }
 
 // Whether the watch must run: some watched container changed since its snapshot (or there
 // is no snapshot to compare, or no C check to compare it with). Needs the GIL.
@@ -958,19 +963,7 @@ struct DigestApi {
                              const Py_ssize_t*);
 };
 
-const DigestApi* digest_api() {  // with the GIL; nullptr when kvguard._digest_c is missing
-  static const DigestApi* api = nullptr;
-  static bool tried = false;
-  if (!tried) {
-    tried = true;
-    api = static_cast<const DigestApi*>(PyCapsule_Import("kvguard._digest_c._api", 0));
-    if (api == nullptr || api->version != 1) {
-      PyErr_Clear();
-      api = nullptr;
-    }
-  }
-  return api;
-}
+const DigestApi* digest_api() { return borrowed_api<DigestApi>("kvguard._digest_c._api"); }
 
 inline uint64_t mix64(uint64_t h, uint64_t v) {  // splitmix64 over a running hash
   h ^= v + 0x9E3779B97F4A7C15ULL + (h << 6) + (h >> 2);
