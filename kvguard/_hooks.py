@@ -109,7 +109,7 @@ class HookEngine:
         with self._lock, collector_paused():  # lists as long as the protected set: no collection midway
             judges, backend = self.judges, self.backend
             if added is None:  # all of it, in one publication (the backend sorts and merges)
-                backend.add_protected([s for j in judges for s in j.protected.intervals(merged=False)],
+                backend.add_protected([s for j in judges for s in j.protected.intervals()],
                                       [i for j in judges for i in j.protected.identities()], True)
                 backend.set_send_all(any(j.protected.by_identity for j in judges))
             elif added:

@@ -16,7 +16,6 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from kvguard import _torch
-from kvguard._torch import merge_intervals
 from kvguard._hooks import outside_dynamo, overload_of
 
 _KEY = "ADInplaceOrView"
@@ -103,7 +102,7 @@ def add_protected(intervals: Sequence[tuple[int, int]], identities: Sequence[int
     """Protect more (any order, any overlap): merged into the intervals and identities, or
     instead of them (`replace`). Published as new objects: readers keep the old ones."""
     if replace:
-        merged = merge_intervals((int(a), int(b)) for a, b in intervals if a < b)
+        merged = _torch.merge_intervals((int(a), int(b)) for a, b in intervals if a < b)
         _state.intervals = ([a for a, _ in merged], [b for _, b in merged])
         _state.identities = frozenset(int(i) for i in identities)
         return

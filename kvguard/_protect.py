@@ -189,11 +189,15 @@ class ProtectedSet:
 
     def _forget_dead(self) -> None:
         self._dirty = False
+        if self._drop_dead():
+            self._rebuild_index()
+
+    def _drop_dead(self) -> bool:
+        """Drop the entries whose tensor was freed; whether there were any."""
         dead = [k for k, e in self._entries.items() if e.ref() is None]
         for key in dead:
             del self._entries[key]
-        if dead:
-            self._rebuild_index()
+        return bool(dead)
 
     def snapshot_pair(self) -> Optional[tuple[tuple[Any, ...], tuple[Any, ...]]]:
         """(containers, held) for the compiled hook to compare before each write; None when only
@@ -206,11 +210,10 @@ class ProtectedSet:
         """Whether a placement can happen: the guarded object has containers to watch."""
         return bool(self._watch.containers or self._watch.probed)
 
-    def intervals(self, merged: bool = True) -> list[tuple[int, int]]:
-        """The protected memory as `[start, stop)` byte ranges (all devices together): sorted and
-        disjoint, or as the entries have them (`merged=False`, for a hook that merges them itself)."""
-        found = _records.intervals(e.record for e in self._entries.values())
-        return _torch.merge_intervals(found) if merged else found
+    def intervals(self) -> list[tuple[int, int]]:
+        """The protected memory as `[start, stop)` byte ranges (all devices together), in no
+        order and overlapping where the tensors do: the hook sorts and merges them."""
+        return _records.intervals(e.record for e in self._entries.values())
 
     def identities(self) -> list[int]:
         """The TensorImpl addresses of the protected tensors: a write to one of them is looked at
@@ -246,8 +249,7 @@ class ProtectedSet:
     def _scan_now(self, frames: Optional[list[Any]]) -> None:
         self._dirty = self._paths_stale = False
         self._grown = 0
-        for key in [k for k, e in self._entries.items() if e.ref() is None]:
-            del self._entries[key]
+        self._drop_dead()
         self._owners, self._walked = {}, {}
         leaves, containers = _tree.walk(self._root, self._name, torch.Tensor, self._keys, self._ignore,
                                         top_keys=self.keys_seen, seen=self._walked, owners=self._owners)
@@ -277,8 +279,7 @@ class ProtectedSet:
         if self._dirty:
             # Values that a Mapping made on access died with the walk: forget them now
             # rather than rescan at every write op.
-            for key in [k for k, e in self._entries.items() if e.ref() is None]:
-                del self._entries[key]
+            self._drop_dead()
             self._dirty = False
         self._rebuild_index()
 

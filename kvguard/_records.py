@@ -11,6 +11,7 @@ tuple from Python), and a set keeps to one source for its whole life.
 
 from __future__ import annotations
 
+import sys
 from types import ModuleType
 from typing import Any, Iterable, Optional, Sequence
 
@@ -30,8 +31,6 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def compiled_describe() -> Optional[ModuleType]:
     """The compiled extension, if this process has loaded it (never builds it)."""
-    import sys
-
     from kvguard._build import MODULE_NAME
 
     module = sys.modules.get(MODULE_NAME)
@@ -89,19 +88,22 @@ def intervals(records: Iterable[Record]) -> list[tuple[int, int]]:
 
 def layout_text(record: Record) -> str:
     """How a report shows a record's memory and layout."""
-    layout = record[LAYOUT]
     if record[DEVICE] is not None:
         return f"elements at {record[START]:#x}..{record[STOP]:#x} on {record[DEVICE]}" if record[STOP] else (
             f"no element memory on {record[DEVICE]}")
-    if isinstance(layout, tuple) and len(layout) >= 5:
-        return f"data_ptr {layout[1]:#x}, shape {tuple(layout[2])}, stride {layout[3]}, offset {layout[4]}"
-    return repr(layout[1:]) if isinstance(layout, tuple) and len(layout) > 1 else "unknown"
+    return _fingerprint_text(record[LAYOUT])
 
 
 def tensor_text(tensor: torch.Tensor) -> str:
     """How a report shows a live tensor's memory and layout (read in Python, fully)."""
-    fp = _torch.storage_fingerprint(tensor)
-    return layout_text((fp, None, None, None, None, None, None))
+    return _fingerprint_text(_torch.storage_fingerprint(tensor))
+
+
+def _fingerprint_text(fp: Any) -> str:
+    """A `_torch.storage_fingerprint` as a report shows it."""
+    if isinstance(fp, tuple) and len(fp) >= 5:
+        return f"data_ptr {fp[1]:#x}, shape {tuple(fp[2])}, stride {fp[3]}, offset {fp[4]}"
+    return repr(fp[1:]) if isinstance(fp, tuple) and len(fp) > 1 else "unknown"
 
 
 def _impl(tensor: torch.Tensor) -> Optional[int]:

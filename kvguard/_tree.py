@@ -145,6 +145,8 @@ _Child = tuple[Any, Any, Any, Optional[str]]
 
 def step_text(step: Any) -> str:
     """The path suffix of a chain step: `.kl` for `Attr("kl")`, `['kl']` / `[0]` for an item."""
+    if type(step) is int:  # a list index, the most common step: no repr call
+        return f"[{step}]"
     return _attr(step.name) if type(step) is Attr else f"[{_repr(step)}]"
 
 
@@ -398,8 +400,8 @@ def walk(
                 nested = True
         if not nested:  # tensors only (a per-sample list): their leaves in order, no trip through the stack
             for (_, value, step, suffix), _ in pending:
-                leaves.append(_leaf((path + (suffix if suffix is not None else f"[{step}]" if type(step) is int
-                                             else step_text(step)), value, chain_ + ((obj, step),))))
+                leaves.append(_leaf((path + (suffix if suffix is not None else step_text(step)), value,
+                                     chain_ + ((obj, step),))))
             continue
         for (_, value, step, suffix), leaf in reversed(pending):
             stack.append((value, path + (suffix if suffix is not None else step_text(step)),
@@ -478,10 +480,7 @@ def changed_at(snap: Snapshot) -> list[tuple[Any, tuple[Any, ...]]]:
         if len(view) != len(held) or not (same_c((container,), held) if same_c is not None
                                           else all(map(is_, view, held))):
             found.append((container, held))
-    for probe, held_ in snap.probes:
-        now = _read(probe)
-        if now is None or held_ is None or len(now) != len(held_) or not all(map(is_, now, held_)):
-            found.append((probe, held_ or ()))
+    found += [(probe, held_ or ()) for probe, held_ in snap.probes if _probe_changed(probe, held_)]
     return found
 
 
@@ -538,11 +537,11 @@ def _read(probe: Probe) -> Optional[tuple[Any, ...]]:
 
 
 def _probes_changed(snap: Snapshot) -> bool:
-    for probe, held in snap.probes:
-        now = _read(probe)
-        if now is None or held is None:
-            if now is not held:
-                return True
-        elif len(now) != len(held) or not all(map(is_, now, held)):
-            return True
-    return False
+    return any(_probe_changed(probe, held) for probe, held in snap.probes)
+
+
+def _probe_changed(probe: Probe, held: Optional[tuple[Any, ...]]) -> bool:
+    now = _read(probe)
+    if now is None or held is None:
+        return now is not held
+    return len(now) != len(held) or not all(map(is_, now, held))

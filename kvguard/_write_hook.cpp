@@ -794,6 +794,27 @@ PyObject* py_set_intervals(PyObject*, PyObject* arg) {
   KVGUARD_CATCH
 }
 
+// Reads a sequence of ints (`tensor._cdata` addresses) into `out`.
+bool read_addresses(PyObject* arg, std::vector<uintptr_t>* out, const char* what) {
+  PyObject* seq = PySequence_Fast(arg, "");
+  if (seq == nullptr) {
+    PyErr_Format(PyExc_TypeError, "%s: expected a list of ints (tensor._cdata)", what);
+    return false;
+  }
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  out->reserve(out->size() + (size_t)n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    uintptr_t v = 0;
+    if (!read_address(PySequence_Fast_GET_ITEM(seq, i), &v, what)) {
+      Py_DECREF(seq);
+      return false;
+    }
+    out->push_back(v);
+  }
+  Py_DECREF(seq);
+  return true;
+}
+
 // Reads a sequence of (start, stop) pairs (any order, any overlap) into `out`.
 bool read_pairs(PyObject* arg, Intervals* out, const char* what) {
   PyObject* seq = PySequence_Fast(arg, "expected a list of (start, stop) pairs");
@@ -826,18 +847,8 @@ PyObject* py_add_protected(PyObject*, PyObject* args) {
   }
   Intervals added;
   if (!read_pairs(intervals_arg, &added, "add_protected")) return nullptr;
-  PyObject* seq = PySequence_Fast(identities_arg, "add_protected: expected a list of ints");
-  if (seq == nullptr) return nullptr;
   std::vector<uintptr_t> more;
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
-    uintptr_t v = 0;
-    if (!read_address(PySequence_Fast_GET_ITEM(seq, i), &v, "add_protected")) {
-      Py_DECREF(seq);
-      return nullptr;
-    }
-    more.push_back(v);
-  }
-  Py_DECREF(seq);
+  if (!read_addresses(identities_arg, &more, "add_protected")) return nullptr;
   std::sort(added.begin(), added.end());
   std::sort(more.begin(), more.end());
   auto next = std::make_shared<Protected>();
@@ -865,20 +876,8 @@ PyObject* py_add_protected(PyObject*, PyObject* args) {
 
 PyObject* py_set_identities(PyObject*, PyObject* arg) {
   KVGUARD_TRY
-  PyObject* seq = PySequence_Fast(arg, "set_identities: expected a list of ints (tensor._cdata)");
-  if (seq == nullptr) return nullptr;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
   std::vector<uintptr_t> identities;
-  identities.reserve((size_t)n);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    uintptr_t v = 0;
-    if (!read_address(PySequence_Fast_GET_ITEM(seq, i), &v, "set_identities")) {
-      Py_DECREF(seq);
-      return nullptr;
-    }
-    identities.push_back(v);
-  }
-  Py_DECREF(seq);
+  if (!read_addresses(arg, &identities, "set_identities")) return nullptr;
   std::sort(identities.begin(), identities.end());
   identities.erase(std::unique(identities.begin(), identities.end()), identities.end());
   auto next = std::make_shared<Protected>();
