@@ -23,7 +23,7 @@ from kvguard._tree import Attr
 
 _ANY = object()  # a key the source does not spell as a constant
 _STORE_METHODS = frozenset({"update", "setdefault", "append", "extend", "insert", "__setitem__", "__ior__",
-                            "set", "__setattr__"})
+                            "set", "__setattr__", "appendleft", "extendleft"})
 _MAX_FRAMES = 12
 _skip_prefixes: Optional[tuple[str, ...]] = None
 _skip_has_torch = False
@@ -226,28 +226,31 @@ def drop_internal_frames(exc: BaseException) -> None:
         last_user.tb_next = None
 
 
-def placement_site(frames: list[types.FrameType], chain: tuple[tuple[Any, Any], ...]) -> Optional[Site]:
+def placement_site(frames: list[types.FrameType], chain: tuple[tuple[Any, Any], ...],
+                   placed: Any = _ANY) -> Optional[Site]:
     """The statement that put a tensor where `chain` says it is, if the source shows it.
 
-    `chain` lists `(container, key)` from the guarded object down to the tensor. The
-    search looks at the given user frames, innermost first, for a store into any of
-    those containers, preferring the right key and a line at or before the frame's
-    current line.
+    `chain` lists `(container, key)` from the guarded object down to the tensor
+    `placed`. The search looks at the given user frames, innermost first, for a store
+    into any of those containers, preferring a line at or before the frame's current
+    line, then one whose stored value names the tensor (or a container on its way:
+    `q.appendleft(t)`, `rd["b"] = {"deep": [t]}`) over branches not taken, then the
+    right key.
     """
     for frame in frames[:_MAX_FRAMES]:
-        found = _placement_in_frame(frame, chain)
+        found = _placement_in_frame(frame, chain, placed)
         if found is not None:
             return found
     return None
 
 
-def _placement_in_frame(frame: types.FrameType, chain: tuple[tuple[Any, Any], ...]) -> Optional[Site]:
+def _placement_in_frame(frame: types.FrameType, chain: tuple[tuple[Any, Any], ...], placed: Any) -> Optional[Site]:
     stores = _stores_in(frame.f_code)
     if not stores:
         return None
     namespace = frame_namespace(frame)
-    best: Optional[tuple[tuple[int, int, int], int]] = None
-    for lineno, name, key in stores:
+    best: Optional[tuple[tuple[int, int, int, int], int]] = None
+    for lineno, name, key, values in stores:
         obj = namespace.get(name, _ANY)
         for depth, (container, chain_key) in enumerate(chain):
             if obj is not container:
@@ -255,7 +258,9 @@ def _placement_in_frame(frame: types.FrameType, chain: tuple[tuple[Any, Any], ..
             key_score = 2 if key is not _ANY and _same_key(key, chain_key) else (1 if key is _ANY else 0)
             if key_score == 0:
                 continue
-            score = (int(lineno <= frame.f_lineno), key_score, lineno if lineno <= frame.f_lineno else -lineno)
+            names_it = int(any(_is_on_the_way(namespace.get(v, _ANY), chain, depth, placed) for v in values))
+            score = (int(lineno <= frame.f_lineno), names_it, key_score,
+                     lineno if lineno <= frame.f_lineno else -lineno)
             if best is None or score > best[0]:
                 best = (score, lineno)
     if best is None:
@@ -265,6 +270,13 @@ def _placement_in_frame(frame: types.FrameType, chain: tuple[tuple[Any, Any], ..
     return Site(filename, best[1], frame.f_code.co_name, line)
 
 
+def _is_on_the_way(value: Any, chain: tuple[tuple[Any, Any], ...], depth: int, placed: Any) -> bool:
+    """Whether a stored value is the placed tensor or a container below the store's own."""
+    if value is _ANY:
+        return False
+    return value is placed or any(value is container for container, _ in chain[depth + 1:])
+
+
 def _same_key(a: Any, b: Any) -> bool:
     try:
         return bool(a == b) and type(a) is type(b)
@@ -272,19 +284,21 @@ def _same_key(a: Any, b: Any) -> bool:
         return False
 
 
-_stores_cache: dict[types.CodeType, tuple[tuple[int, str, Any], ...]] = {}
+# (lineno, container name, key, names of the values it stores)
+_Store = tuple[int, str, Any, tuple[str, ...]]
+_stores_cache: dict[types.CodeType, tuple[_Store, ...]] = {}
 _module_cache: dict[str, Optional[ast.Module]] = {}
 
 
-def _stores_in(code: types.CodeType) -> tuple[tuple[int, str, Any], ...]:
-    """`(lineno, container name, key)` for each store into a named container in `code`."""
+def _stores_in(code: types.CodeType) -> tuple[_Store, ...]:
+    """`(lineno, container name, key, value names)` for each store into a named container in `code`."""
     cached = _stores_cache.get(code)
     if cached is None:
         cached = _stores_cache[code] = tuple(_find_stores(code))
     return cached
 
 
-def _find_stores(code: types.CodeType) -> Iterator[tuple[int, str, Any]]:
+def _find_stores(code: types.CodeType) -> Iterator[_Store]:
     tree = _parse(code.co_filename)
     if tree is None:
         return
@@ -295,20 +309,51 @@ def _find_stores(code: types.CodeType) -> Iterator[tuple[int, str, Any]]:
             return
         scope = found
     for node in ast.walk(scope):
-        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            for target in targets:
-                for sub in ast.walk(target):  # rd["kl"] = x, exp.kl = x, a.b, rd["c"] = x, y
-                    if isinstance(sub, (ast.Subscript, ast.Attribute)) and isinstance(sub.ctx, ast.Store):
-                        yield from _owners(node.lineno, sub)
-            if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
-                yield node.lineno, node.target.id, _ANY  # d |= {...}; lst += [...]
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            if node.func.attr in _STORE_METHODS:
-                yield from _method_stores(node)
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
-            if len(node.args) >= 2 and isinstance(node.args[0], ast.Name):
-                yield node.lineno, node.args[0].id, _attr_key(node.args[1])  # setattr(exp, "kl", x)
+        stores = list(_stores_of(node))
+        if stores:
+            values = _value_names(node)
+            for lineno, name, key in stores:
+                yield lineno, name, key, values
+
+
+def _value_names(node: ast.AST) -> tuple[str, ...]:
+    """The plain names a store puts in: `t` in `q.appendleft(t)`, `rd["kl"] = t`, `l[0:0] = [t, u]`."""
+    if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+        exprs: list[Optional[ast.expr]] = [node.value]
+    elif isinstance(node, ast.Call):
+        exprs = [*node.args, *(kw.value for kw in node.keywords)]
+    else:
+        return ()
+    names: list[str] = []
+    while exprs:
+        expr = exprs.pop()
+        if isinstance(expr, ast.Name):
+            names.append(expr.id)
+        elif isinstance(expr, (ast.List, ast.Tuple, ast.Set)):
+            exprs += expr.elts
+        elif isinstance(expr, ast.Dict):
+            exprs += expr.values
+        elif isinstance(expr, ast.Starred):
+            exprs.append(expr.value)
+    return tuple(names)
+
+
+def _stores_of(node: ast.AST) -> Iterator[tuple[int, str, Any]]:
+    """`(lineno, container name, key)` for each store one statement or call makes."""
+    if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for target in targets:
+            for sub in ast.walk(target):  # rd["kl"] = x, exp.kl = x, a.b, rd["c"] = x, y
+                if isinstance(sub, (ast.Subscript, ast.Attribute)) and isinstance(sub.ctx, ast.Store):
+                    yield from _owners(node.lineno, sub)
+        if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+            yield node.lineno, node.target.id, _ANY  # d |= {...}; lst += [...]
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        if node.func.attr in _STORE_METHODS:
+            yield from _method_stores(node)
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+        if len(node.args) >= 2 and isinstance(node.args[0], ast.Name):
+            yield node.lineno, node.args[0].id, _attr_key(node.args[1])  # setattr(exp, "kl", x)
 
 
 def _owners(lineno: int, expr: ast.AST, key: Any = _ANY) -> Iterator[tuple[int, str, Any]]:

@@ -173,8 +173,14 @@ class ProtectedSet:
         self._rebuild_index(added)  # the hook learns the new memory and what to compare now
 
     def settle(self) -> None:
-        """Bring every entry's aliases and `detached` up to date (before they go into a report)."""
-        if self._paths_stale:
+        """Bring every entry's path, aliases and `detached` up to date (before they go into a report).
+
+        A report names where a tensor is now: after `appendleft`, `insert(0, t)`, `pop(0)`,
+        `reverse()` or `rotate()` its old index may hold another tensor. A path that still
+        reaches it is kept; one that no longer does gives way to the first that does. A
+        tensor no longer reachable keeps its last path and is marked `detached`.
+        """
+        if self._paths_stale or _tree.keys_changed(self._watch):
             self._scan(frames=list(_frames.user_frames(sys._getframe(1))))
         if not self._reach_applied:
             self._reach_applied = True
@@ -182,10 +188,14 @@ class ProtectedSet:
             for key, entry in self._entries.items():
                 paths = reached.get(key)
                 entry.detached = paths is None
-                if type(paths) is list:
+                if paths is None:
+                    entry.aliases = ()
+                elif type(paths) is list:
+                    if entry.path not in paths:
+                        entry.path = paths[0]
                     entry.aliases = tuple(p for p in paths if p != entry.path)
                 else:
-                    entry.aliases = () if paths is None or paths == entry.path else (paths,)
+                    entry.path, entry.aliases = paths, ()
 
     def _forget_dead(self) -> None:
         self._dirty = False
@@ -289,7 +299,7 @@ class ProtectedSet:
         on_death, entries = self._on_death, self._entries
         added = []
         for leaf, record in zip(leaves, records):
-            placed_at = None if frames is None else _placed_at(frames, leaf.chain)
+            placed_at = None if frames is None else _placed_at(frames, leaf.chain, leaf.tensor)
             entry = entries[id(leaf.tensor)] = Entry(leaf.path, record, weakref.ref(leaf.tensor, on_death), placed_at)
             added.append(entry)
         self.protected_count += len(leaves)
@@ -566,8 +576,8 @@ class _Strong:
         return self.tensor
 
 
-def _placed_at(frames: list[Any], chain: tuple[tuple[Any, Any], ...]) -> str:
-    site = _frames.placement_site(frames, chain)
+def _placed_at(frames: list[Any], chain: tuple[tuple[Any, Any], ...], tensor: torch.Tensor) -> str:
+    site = _frames.placement_site(frames, chain, tensor)
     if site is not None:
         return site.short
     first = _frames.site_of(frames[0] if frames else None)

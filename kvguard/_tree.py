@@ -456,6 +456,7 @@ class Snapshot(NamedTuple):
     probes: tuple[tuple[Probe, Optional[tuple[Any, ...]]], ...] = ()  # (probe, what it read): in Python
     probed: bool = False  # whether there are probes (a bool, so `changed` stays one expression)
     ends: tuple[int, ...] = ()  # where each container's values end in `held`
+    keys: tuple[Any, ...] = ()  # every dict's keys, in order: a renamed key moves paths, not values
 
 
 def snapshot(containers: list[Container]) -> Snapshot:
@@ -466,7 +467,21 @@ def snapshot(containers: list[Container]) -> Snapshot:
     views = tuple(dict.values(c) if isinstance(c, dict) else c for c in plain)
     probes = tuple((c, _read(c)) for c in containers if type(c) is Probe)
     ends = tuple(accumulate(map(len, views)))
-    return Snapshot(plain, views, tuple(chain.from_iterable(views)), probes, bool(probes), ends)
+    return Snapshot(plain, views, tuple(chain.from_iterable(views)), probes, bool(probes), ends, _keys(plain))
+
+
+def _keys(containers: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(chain.from_iterable(dict.keys(c) for c in containers if isinstance(c, dict)))
+
+
+def keys_changed(snap: Snapshot) -> bool:
+    """Whether a watched dict's keys changed while its values stayed (`rd["new"] = rd.pop("old")`
+    on its last key): no placement, so `changed` does not look, but paths moved.
+
+    Checked only where a report names paths, not before every write.
+    """
+    now = _keys(snap.containers)
+    return len(now) != len(snap.keys) or not all(map(is_, now, snap.keys))
 
 
 def changed_at(snap: Snapshot) -> list[tuple[Any, tuple[Any, ...]]]:

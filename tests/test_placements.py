@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import time
 import weakref
 from collections import deque
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -22,6 +24,16 @@ import kvguard
 
 def _paths(g: Any) -> list[str]:
     return [e.path for e in g.report.events]
+
+
+_SOURCE = Path(__file__).read_text().splitlines()
+
+
+def _site(mark: str) -> str:
+    """`test_placements.py:N` of the line ending in `# MARK: mark`."""
+    hits = [i + 1 for i, text in enumerate(_SOURCE) if text.rstrip().endswith(f"# MARK: {mark}")]
+    assert len(hits) == 1, f"marker {mark!r} found {len(hits)} times"
+    return f"{os.path.basename(__file__)}:{hits[0]}"
 
 
 def test_a_tensor_placed_under_a_second_key_is_named_as_an_alias() -> None:
@@ -131,3 +143,170 @@ def test_a_placement_costs_the_same_late_as_early() -> None:
     late = _placements_per_second(3000, 2000)
     assert late > early / 3, (early, late)
     assert late > 2000, f"{late:.0f} placements/s with 3,000 protected tensors"
+
+
+# --------------------------------------------------------------------------------------------
+# paths name where a tensor is at the time of the report; a placement names its storing line
+
+
+def test_appendleft_into_a_guarded_deque_names_the_new_index_and_the_storing_line() -> None:
+    old = torch.zeros(3)
+    d: deque[torch.Tensor] = deque([old])
+    rd: dict[str, Any] = {"d": d}
+    with kvguard.guard(rd, name="rd", action="record") as g:
+        t = torch.zeros(3)
+        d.appendleft(t)  # MARK: appendleft
+        t.add_(1)
+        old.add_(1)  # now rd['d'][1], no longer rd['d'][0]
+    assert _paths(g) == ["rd['d'][0]", "rd['d'][1]"]
+    assert [e.placed_at for e in g.report.events] == [_site("appendleft"), None]
+
+
+@pytest.mark.parametrize("make, how", [
+    (list, "insert"), (list, "slice"), (deque, "extendleft"), (deque, "appendleft"),
+], ids=["list.insert(0)", "list[0:0]=", "deque.extendleft", "deque.appendleft"])
+def test_a_store_at_the_front_shifts_every_later_path(make: Callable[..., Any], how: str) -> None:
+    a, b = torch.zeros(1), torch.zeros(2)
+    rd: dict[str, Any] = {"l": make([a, b])}
+    with kvguard.guard(rd, name="rd", action="record") as g:
+        t = torch.zeros(3)
+        q = rd["l"]
+        # Branches not taken store into `q` too: the one whose value names the tensor placed it.
+        if how == "insert":
+            inserted = t
+            q.insert(0, inserted)  # MARK: insert
+        elif how == "slice":
+            sliced = t
+            q[0:0] = [sliced]  # MARK: slice
+        elif how == "extendleft":
+            extended = t
+            q.extendleft([extended])  # MARK: extendleft
+        else:
+            pushed = t
+            q.appendleft(pushed)  # MARK: appendleft-2
+        b.add_(1)
+        t.add_(1)
+        a.add_(1)
+    assert _paths(g) == ["rd['l'][2]", "rd['l'][0]", "rd['l'][1]"]
+    mark = {"appendleft": "appendleft-2"}.get(how, how)
+    assert [e.placed_at for e in g.report.events] == [None, _site(mark), None]
+
+
+def test_a_store_by_index_into_a_deque_and_a_list_is_located() -> None:
+    rd: dict[str, Any] = {"d": deque([torch.zeros(1), torch.zeros(1)]), "l": [torch.zeros(1)]}
+    with kvguard.guard(rd, name="rd", action="record") as g:
+        t, u = torch.zeros(2), torch.zeros(2)
+        rd["d"][1] = t  # MARK: deque-index
+        rd["l"][0] = u  # MARK: list-index
+        t.add_(1)
+        u.add_(1)
+    assert _paths(g) == ["rd['d'][1]", "rd['l'][0]"]
+    assert [e.placed_at for e in g.report.events] == [_site("deque-index"), _site("list-index")]
+
+
+def _reverse(lst: Any) -> None:
+    lst.reverse()
+
+
+def _sort_by_size(lst: Any) -> None:
+    lst.sort(key=lambda t: -t.numel())
+
+
+def _del_first(lst: Any) -> None:
+    del lst[0]
+
+
+def _pop_first(lst: Any) -> None:
+    lst.pop(0)
+
+
+def _rotate(lst: Any) -> None:
+    lst.rotate(1)
+
+
+def _popleft(lst: Any) -> None:
+    lst.popleft()
+
+
+@pytest.mark.parametrize("make, reorder, paths", [
+    (list, _reverse, ["rd['l'][2]", "rd['l'][1]", "rd['l'][0]"]),
+    (list, _sort_by_size, ["rd['l'][2]", "rd['l'][1]", "rd['l'][0]"]),
+    (deque, _reverse, ["rd['l'][2]", "rd['l'][1]", "rd['l'][0]"]),
+    (deque, _rotate, ["rd['l'][1]", "rd['l'][2]", "rd['l'][0]"]),
+    (list, _del_first, ["rd['l'][0]", "rd['l'][0]", "rd['l'][1]"]),
+    (list, _pop_first, ["rd['l'][0]", "rd['l'][0]", "rd['l'][1]"]),
+    (deque, _popleft, ["rd['l'][0]", "rd['l'][0]", "rd['l'][1]"]),
+], ids=["list.reverse", "list.sort", "deque.reverse", "deque.rotate", "del-list[0]", "list.pop(0)",
+        "deque.popleft"])
+def test_a_reorder_or_removal_renames_what_moved(make: Callable[..., Any], reorder: Callable[[Any], None],
+                                                 paths: list[str]) -> None:
+    """Each tensor is reported where it is now; the one removed keeps its last path, `detached`."""
+    a, b, c = torch.zeros(1), torch.zeros(2), torch.zeros(3)
+    rd: dict[str, Any] = {"l": make([a, b, c])}
+    with kvguard.guard(rd, name="rd", action="record") as g:
+        reorder(rd["l"])
+        a.add_(1)
+        b.add_(1)
+        c.add_(1)
+    assert _paths(g) == paths
+    removed = reorder in (_del_first, _pop_first, _popleft)
+    assert [e.detached for e in g.report.events] == [removed, False, False]
+    assert all(e.placed_at is None for e in g.report.events)  # moved, not placed
+
+
+def test_a_full_deque_drops_its_last_item_when_one_is_pushed_at_the_front() -> None:
+    a, b = torch.zeros(1), torch.zeros(2)
+    rd: dict[str, Any] = {"d": deque([a, b], maxlen=2)}
+    with kvguard.guard(rd, name="rd", action="record") as g:
+        t = torch.zeros(3)
+        rd["d"].appendleft(t)  # MARK: maxlen
+        t.add_(1)
+        a.add_(1)
+        b.add_(1)  # dropped: still protected (it was guarded), reported as detached
+    assert [(e.path, e.placed_at, e.detached) for e in g.report.events] == [
+        ("rd['d'][0]", _site("maxlen"), False), ("rd['d'][1]", None, False), ("rd['d'][1]", None, True)]
+
+
+def test_paths_are_current_under_raise_and_after_an_unrelated_write() -> None:
+    a, b = torch.zeros(1), torch.zeros(2)
+    rd: dict[str, Any] = {"l": [a, b]}
+    with kvguard.guard(rd, name="rd", action="raise"):
+        rd["l"].reverse()
+        torch.zeros(2).add_(1)  # a write that touches nothing: the reorder is looked at here
+        with pytest.raises(kvguard.MutationError, match=r"rd\['l'\]\[0\] would be modified"):
+            b.add_(1)
+    assert torch.equal(b, torch.zeros(2))
+
+
+def test_a_change_found_at_a_boundary_names_the_current_path() -> None:
+    a, b = torch.zeros(1), torch.zeros(2)
+    rd: dict[str, Any] = {"l": [a, b]}
+    with kvguard.guard(rd, name="rd", action="record") as g:
+        rd["l"].insert(0, torch.zeros(3))
+        b.numpy()[0] = 5.0  # no dispatched op: found at the exit check
+    assert [(e.path, e.kind) for e in g.report.events] == [("rd['l'][2]", "unobserved")]
+
+
+def test_a_tensor_moved_between_keys_is_named_where_it_is_now() -> None:
+    k = torch.zeros(2)
+    rd: dict[str, Any] = {"old": k}
+    with kvguard.guard(rd, name="rd", action="record") as g:
+        rd["new"] = rd.pop("old")
+        k.add_(1)
+    (event,) = g.report.events
+    assert (event.path, event.aliases, event.detached, event.placed_at) == ("rd['new']", (), False, None)
+
+
+def test_a_renamed_key_or_attribute_is_named_where_it_is_now_at_a_boundary_too() -> None:
+    a, b, k = torch.zeros(1), torch.zeros(2), torch.zeros(3)
+    exp = Experience(kl=k)
+    rd: dict[str, Any] = {"a": a, "b": b, "exp": exp}
+    with kvguard.guard(rd, name="rd", action="record") as g:
+        rd["a2"] = rd.pop("a")  # not the last key: the values move too
+        exp.__dict__["kl2"] = exp.__dict__.pop("values")  # the instance dict's last key
+        exp.__dict__["kl3"] = exp.__dict__.pop("kl")
+        a.add_(1)
+        k.add_(1)
+        b.numpy()[0] = 1.0  # found at the exit check
+    assert [(e.path, e.detached) for e in g.report.events] == [
+        ("rd['a2']", False), ("rd['exp'].kl3", False), ("rd['b']", False)]
