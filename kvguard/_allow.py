@@ -11,11 +11,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import re
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from kvguard._errors import ConfigError
 
 _reason: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("kvguard_allow", default=None)
+# The boundary checks of the active guards (each one decides whether it runs on this thread),
+# run as an allow block begins and as it ends.
+boundaries: list[Callable[[], None]] = []
 _INDEX = r"\[-?\d+\]"
 _STAR = re.escape("[*]")
 _EXAMPLE = "rollout_data['advantages'][*]"
@@ -31,16 +34,30 @@ def allow(reason: str) -> Iterator[None]:
             rollout_data["advantages"][i].sub_(mean).div_(std)
 
     Outside any guard it does nothing. Writes inside are not reported and never raise;
-    the exit summary and report files count them under the reason.
+    the exit summary and report files count them under the reason. That includes
+    changes no op reports (a write through `.numpy()`): inside a guard the block begins
+    and ends with the guard's boundary check, so a change made in the block is allowed
+    even when the guard only finds it later, and one made before the block is reported
+    as usual. Each check reads every protected tensor's values once: in a hot loop, put
+    the block around the loop rather than inside it.
     """
     if not isinstance(reason, str) or not reason.strip():
         raise ConfigError(f"kvguard.allow() takes a reason, e.g. kvguard.allow('whitening after logging'); "
                           f"got {reason!r}")
+    _check_boundaries()  # changes from before the block are not the block's
     token = _reason.set(reason.strip())
     try:
         yield
     finally:
-        _reason.reset(token)
+        try:
+            _check_boundaries()  # inside the block still: what changed in it is allowed
+        finally:
+            _reason.reset(token)
+
+
+def _check_boundaries() -> None:
+    for check in list(boundaries):
+        check()
 
 
 class Allowlist:

@@ -9,11 +9,13 @@ import functools
 import inspect
 import os
 import sys
+import threading
 import warnings
 from typing import Any, Callable, Collection, Literal, Optional, TypeVar
 
 from kvguard import _frames, _ranks, _render, _reportfile
 from kvguard._allow import Allowlist
+from kvguard._allow import boundaries as allow_boundaries
 from kvguard._config import DEFAULT_MAX_EVENTS, parse_level
 from kvguard._errors import ConfigError, GuardWarning, MutationError, MutationWarning
 from kvguard._events import GuardReport, MutationEvent
@@ -109,7 +111,18 @@ class Guard:
             self.engine = self._attachment.engine
         else:  # no per-op hook at all; `swap_tensors` still needs our weak references aside
             self._unhook_swap = _torch.on_swap_tensors(self._step_aside)
+        self._thread = threading.get_ident()
+        allow_boundaries.append(self._allow_boundary)
         return self
+
+    def _allow_boundary(self) -> None:
+        """A `kvguard.allow` block begins or ends on this guard's thread: a boundary check then.
+
+        What changed before the block is reported as usual; what changed inside it (a
+        numpy write the exit check would find later) is allowed with the block's reason.
+        """
+        if self._protected is not None and threading.get_ident() == self._thread:
+            self._boundary_check(rescan=False)
 
     def _step_aside(self, t1: Any, t2: Any) -> Callable[[bool], None]:
         """Light level: let `swap_tensors` run (it refuses weak references); a boundary check reports it."""
@@ -119,6 +132,8 @@ class Guard:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         if self._protected is None:
             raise RuntimeError(f"{self!r} exited without being entered")
+        if self._allow_boundary in allow_boundaries:
+            allow_boundaries.remove(self._allow_boundary)
         try:
             try:
                 if self._attachment is not None:  # out of order, or on another thread's stack (then
@@ -209,13 +224,20 @@ class Guard:
         """
         if self._protected is None:
             raise RuntimeError(f"{self!r}.check() needs an active guard (inside its `with` block)")
-        found = self._exit_check(_frames.user_site(), rescan=True)
+        self._boundary_check(rescan=True)
+        fresh, self._checked = self.report.events[self._checked:], len(self.report.events)
+        return fresh
+
+    def _boundary_check(self, rescan: bool) -> None:
+        """Report what changed with no op reporting it; under raise the first finding raises.
+
+        A finding inside an allowed block (or under an `allow=` pattern) is allowed instead.
+        """
+        found = self._exit_check(_frames.user_site(), rescan=rescan)
         for event in found:
             self._on_event(event, at_exit=True)
-        fresh, self._checked = self.report.events[self._checked:], len(self.report.events)
         if found and self.action == "raise":
             raise MutationError(_render.format_event(found[0]), found[0], self.report)
-        return fresh
 
     def _exit_check(self, site: Optional[_frames.Site] = None, rescan: bool = False) -> list[MutationEvent]:
         """Boundary findings as events: values or memory that changed with no op reporting it."""
@@ -235,16 +257,24 @@ class Guard:
             else:
                 before, after = change.was, change.now
                 diff = "identity or memory changed with no dispatched op (k.data = ..., or code the guard cannot see)"
-            events.append(unobserved_event(change.entry, tensor, site, diff, before, after))
+            event = unobserved_event(change.entry, tensor, site, diff, before, after)
+            if not self._allowed(event):  # an allowed change is counted, never raised
+                events.append(event)
         return events
 
-    def _on_event(self, event: MutationEvent, at_exit: bool = False) -> None:
+    def _allowed(self, event: MutationEvent) -> bool:
+        """Whether the write is intended (`allow=`, `kvguard.allow`); counted once it has happened."""
         allowed = self.allow.reason(event.path)
-        if allowed is not None:  # an intended write: it happens, counted once it has
-            if not event.blocked:
-                self.report.allowed[allowed] = self.report.allowed.get(allowed, 0) + 1
-                for tally in self._tallies:
-                    tally.allow(allowed)
+        if allowed is None:
+            return False
+        if not event.blocked:
+            self.report.allowed[allowed] = self.report.allowed.get(allowed, 0) + 1
+            for tally in self._tallies:
+                tally.allow(allowed)
+        return True
+
+    def _on_event(self, event: MutationEvent, at_exit: bool = False) -> None:
+        if self._allowed(event):  # an intended write: it happens, counted once it has
             return
         for tally in self._tallies:
             tally.add(event, self.call)
