@@ -25,29 +25,61 @@ _ANY = object()  # a key the source does not spell as a constant
 _STORE_METHODS = frozenset({"update", "setdefault", "append", "extend", "insert", "__setitem__", "__ior__",
                             "set", "__setattr__", "appendleft", "extendleft"})
 _MAX_FRAMES = 12
+# The machinery between the user's line and the op: its frames are never the user's.
+_MACHINERY = ("torch", "wrapt", "typing_extensions")
+# Container libraries whose methods write on the caller's behalf (`td.mul_(2)`, `td[1:3] = ...`,
+# `td.update_(...)`): the line that called them is the user's. Only an installed copy counts
+# (one under site-packages or dist-packages), so a user's own module that shares a name
+# (`tree.py` next to the script) is never skipped. The standard library's containers
+# (`collections`, `dataclasses`, `functools`, `contextlib`) are skipped as the standard library.
+CONTAINER_LIBRARIES = ("tensordict", "optree", "tree")
 _skip_prefixes: Optional[tuple[str, ...]] = None
-_skip_has_torch = False
+_skip_found: tuple[Any, ...] = ()  # the modules `_skip_prefixes` was built from
 
 
 def _internal_prefixes() -> tuple[str, ...]:
-    global _skip_prefixes, _skip_has_torch
-    if _skip_prefixes is None or (not _skip_has_torch and "torch" in sys.modules):
-        _skip_has_torch = "torch" in sys.modules
+    """Where the internal files are; built again when one of those packages is imported (or
+    imported again from elsewhere), which also forgets the per-file decisions made so far."""
+    global _skip_prefixes, _skip_found
+    found = tuple((name, id(module), getattr(module, "__file__", None))
+                  for name in (*_MACHINERY, *CONTAINER_LIBRARIES) if (module := sys.modules.get(name)) is not None)
+    if _skip_prefixes is None or found != _skip_found:
+        _skip_found = found
+        _internal_files.clear()
         dirs = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
-        for name in ("torch", "wrapt", "typing_extensions"):
-            file = getattr(sys.modules.get(name), "__file__", None)
-            if file:
-                path = os.path.abspath(file)
-                dirs.append(os.path.dirname(path) + os.sep if path.endswith("__init__.py") else path)
+        for name in _MACHINERY:
+            dirs += _package_prefixes(name)
+        for name in CONTAINER_LIBRARIES:
+            dirs += [d for d in _package_prefixes(name) if _installed(d)]
         _skip_prefixes = tuple(dirs)
     return _skip_prefixes
+
+
+def _package_prefixes(name: str) -> list[str]:
+    """The directory of an imported package (its file, for a single-file module)."""
+    module = sys.modules.get(name)
+    file = getattr(module, "__file__", None)
+    if isinstance(file, str) and file:
+        path = os.path.abspath(file)
+        return [os.path.dirname(path) + os.sep if os.path.basename(path).startswith("__init__.") else path]
+    paths = getattr(module, "__path__", None)  # a namespace package: each of its directories
+    try:
+        return [os.path.abspath(p) + os.sep for p in paths or () if isinstance(p, str)]
+    except Exception:  # noqa: BLE001 - an odd __path__
+        return []
+
+
+def _installed(prefix: str) -> bool:
+    parts = prefix.split(os.sep)
+    return "site-packages" in parts or "dist-packages" in parts
 
 
 _STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
 
 
 def _is_internal(filename: str) -> bool:
-    """Frames of torch, kvguard, wrapt, typing_extensions and the standard library."""
+    """Frames of torch, kvguard, wrapt, typing_extensions, installed container libraries
+    (`CONTAINER_LIBRARIES`) and the standard library."""
     if filename.startswith(_internal_prefixes()) or filename.startswith("<frozen"):
         return True
     return filename.startswith(_STDLIB) and "-packages" + os.sep not in filename

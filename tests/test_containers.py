@@ -714,3 +714,147 @@ def test_no_warning_escapes_a_guard_over_every_kind() -> None:
                 case.write(obj[case.name])
     assert len(g.report.events) == len(CASES)
     assert collections.Counter(e.kind for e in g.report.events) == {"write": len(CASES)}
+
+
+# --------------------------------------------------------------------------------------------
+# writes through a container library's methods name the user's line, not the library's
+
+
+def _td_mul(td: Any) -> None:
+    td.mul_(2)  # MARK: td-mul
+
+
+def _td_update(td: Any) -> None:
+    td.update_({"a": torch.ones(4, 2)})  # MARK: td-update
+
+
+def _td_zero(td: Any) -> None:
+    td.zero_()  # MARK: td-zero
+
+
+def _td_setitem(td: Any) -> None:
+    td[1:3] = TensorDict({"a": torch.ones(2, 2), "b": torch.zeros(2)}, batch_size=[2])  # MARK: td-setitem
+
+
+def _td_apply(td: Any) -> None:
+    td.apply_(lambda t: t.add_(1))  # MARK: td-apply
+
+
+def _td_copy(td: Any) -> None:
+    td.copy_(td.clone().add(1))  # MARK: td-copy
+
+
+def _td_nested_fill(td: Any) -> None:
+    td["sub"].fill_("c", 3.0)  # MARK: td-fill
+
+
+def _td_key_write(td: Any) -> None:
+    td.get("b").mul_(3)  # MARK: td-get
+
+
+@pytest.mark.parametrize("write, mark, paths", [
+    (_td_mul, "td-mul", ["rd['td']['a']", "rd['td']['b']", "rd['td']['sub']['c']"]),
+    (_td_update, "td-update", ["rd['td']['a']"]),
+    (_td_zero, "td-zero", ["rd['td']['a']", "rd['td']['b']", "rd['td']['sub']['c']"]),
+    (_td_setitem, "td-setitem", ["rd['td']['a']", "rd['td']['b']"]),
+    (_td_apply, "td-apply", ["rd['td']['a']", "rd['td']['b']", "rd['td']['sub']['c']"]),
+    (_td_copy, "td-copy", ["rd['td']['a']", "rd['td']['b']", "rd['td']['sub']['c']"]),
+    (_td_nested_fill, "td-fill", ["rd['td']['sub']['c']"]),
+    (_td_key_write, "td-get", ["rd['td']['b']"]),
+], ids=lambda v: v.__name__[4:] if callable(v) else None)
+def test_a_write_through_a_tensordict_method_names_the_users_line(write: Callable[[Any], None], mark: str,
+                                                                  paths: list[str]) -> None:
+    td = TensorDict({"a": torch.zeros(4, 2), "b": torch.ones(4),
+                     "sub": TensorDict({"c": torch.ones(4)}, batch_size=[4])}, batch_size=[4])
+    with kvguard.guard({"td": td}, name="rd", action="record") as g:
+        write(td)
+    assert sorted(set(_paths(g))) == paths
+    assert {f"{os.path.basename(e.filename)}:{e.lineno}" for e in g.report.events} == {_site(mark)}
+    assert {e.function for e in g.report.events} == {"<lambda>" if write is _td_apply else write.__name__}
+
+
+def test_a_blocked_tensordict_write_ends_its_traceback_at_the_users_line() -> None:
+    td = TensorDict({"a": torch.zeros(4)}, batch_size=[4])
+    with pytest.raises(kvguard.MutationError) as raised:
+        with kvguard.guard({"td": td}, name="rd"):
+            _td_mul(td)
+    assert torch.equal(td["a"], torch.zeros(4))
+    event = raised.value.args[1]
+    assert f"{os.path.basename(event.filename)}:{event.lineno}" == _site("td-mul")
+    last = raised.traceback[-1]
+    assert (os.path.basename(str(last.path)), last.lineno + 1) == (THIS_FILE, int(_site("td-mul").split(":")[1]))
+
+
+def test_a_placement_through_a_tensordict_method_is_located_at_the_users_line() -> None:
+    td = TensorDict({"a": torch.zeros(4)}, batch_size=[4])
+    with kvguard.guard({"td": td}, name="rd", action="record") as g:
+        kl = torch.ones(4)
+        td.set("kl", kl)  # MARK: td-set-kl
+        td["kl"].mul_(2)
+    (event,) = g.report.events
+    assert event.path == "rd['td']['kl']" and event.placed_at == _site("td-set-kl")
+
+
+def _library(root: Path, package: str, body: str) -> None:
+    (root / package).mkdir(parents=True)
+    (root / package / "__init__.py").write_text(body)
+
+
+@pytest.fixture
+def import_from(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Path, str], Any]]:
+    """Import a package from a directory, removed from `sys.modules` afterwards."""
+    names: list[str] = []
+
+    def load(root: Path, name: str) -> Any:
+        monkeypatch.syspath_prepend(str(root))
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        names.append(name)
+        import importlib
+
+        return importlib.import_module(name)
+
+    yield load
+    for name in names:
+        sys.modules.pop(name, None)
+
+
+WRITER = "def scale_(tensors):\n    for t in tensors:\n        t.mul_(2)\n"
+
+
+def test_an_installed_container_library_is_skipped_but_a_users_module_of_that_name_is_not(
+        tmp_path: Path, import_from: Callable[[Path, str], Any]) -> None:
+    _library(tmp_path / "lib" / "python3" / "site-packages", "optree", WRITER)  # installed: skipped
+    _library(tmp_path / "project", "tree", WRITER)  # the user's own `tree` package: the user's code
+    optree = import_from(tmp_path / "lib" / "python3" / "site-packages", "optree")
+    tree = import_from(tmp_path / "project", "tree")
+    x, y = torch.ones(2), torch.ones(2)
+    with kvguard.guard({"x": x, "y": y}, name="rd", action="record") as g:
+        optree.scale_([x])  # MARK: installed-library
+        tree.scale_([y])
+    sites = [(e.path, os.path.basename(e.filename), e.lineno) for e in g.report.events]
+    assert sites == [("rd['x']", THIS_FILE, int(_site("installed-library").split(":")[1])),
+                     ("rd['y']", "__init__.py", 3)]
+
+
+def test_a_users_package_installed_in_site_packages_is_never_skipped(
+        tmp_path: Path, import_from: Callable[[Path, str], Any]) -> None:
+    site = tmp_path / "venv" / "lib" / "python3" / "site-packages"
+    _library(site, "myrl_loss", WRITER)
+    myrl_loss = import_from(site, "myrl_loss")
+    x = torch.ones(2)
+    with kvguard.guard({"x": x}, name="rd", action="record") as g:
+        myrl_loss.scale_([x])
+    (event,) = g.report.events
+    assert (os.path.basename(os.path.dirname(event.filename)), event.lineno) == ("myrl_loss", 3)
+
+
+def test_a_user_callback_run_by_a_container_library_is_named() -> None:
+    td = TensorDict({"a": torch.zeros(2)}, batch_size=[2])
+
+    def bump(t: torch.Tensor) -> torch.Tensor:
+        return t.add_(1)  # MARK: callback
+
+    with kvguard.guard({"td": td}, name="rd", action="record") as g:
+        td.apply_(bump)
+        pytree.tree_map(bump, {"a": td["a"]})  # torch's pytree: skipped as torch
+    assert [f"{os.path.basename(e.filename)}:{e.lineno}" for e in g.report.events] == [_site("callback")] * 2
