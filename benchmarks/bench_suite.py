@@ -509,6 +509,18 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:110] if text else ''}".rstrip(": ")
 
 
+def _round_order(i: int) -> list[str]:
+    """The contenders' order in round `i`: grouped by the write hook they run with, the groups
+    and the members of each rotated from round to round (so no contender always runs first).
+
+    Grouping keeps hook (re)installs to about one per group and workload: each costs a
+    re-registration (0.2 s for the Python kernels), a collection and an untimed warm-up run.
+    """
+    groups = [[c for c in CONTENDER_KEYS if HOOK_OF.get(c) == hook] for hook in (None, "compiled", "kernels")]
+    groups = groups[i % len(groups):] + groups[:i % len(groups)]
+    return [c for g in groups for c in g[i % len(g):] + g[:i % len(g)]]
+
+
 def run_suite(loads: list[Workload], rounds: int, repeats: int = 2, max_seconds: float = 5.0,
               progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Times every (workload, contender) pair; returns raw times and the failures.
@@ -527,11 +539,10 @@ def run_suite(loads: list[Workload], rounds: int, repeats: int = 2, max_seconds:
         w.name: {c: [[] for _ in range(repeats)] for c in CONTENDER_KEYS} for w in loads}
     skipped: dict[str, dict[str, str]] = {w.name: {} for w in loads}
     slow: dict[str, dict[str, dict[str, float]]] = {w.name: {} for w in loads}
-    n_c = len(CONTENDER_KEYS)
     start = time.perf_counter()
     schedule = [(None, 0)] + [(rep, r) for rep in range(repeats) for r in range(rounds)]
     for i, (rep, r) in enumerate(schedule):
-        order = CONTENDER_KEYS[i % n_c:] + CONTENDER_KEYS[:i % n_c]
+        order = _round_order(i)
         gc.collect()  # a full pass once per round (~0.2 s with torch's ~5e5 objects), untimed
         for w in loads:
             for c in order:

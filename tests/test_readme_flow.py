@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -45,11 +46,12 @@ def test_demo_then_tests_then_env_var_section(tmp_path: Path) -> None:
     block = _readme_block("`examples/unchanged_job/` is a tiny RL job")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGUARD", "PYTHON", "VIRTUAL_ENV"))}
     env["PATH"] = f"{home / 'bin'}{os.pathsep}{env['PATH']}"  # `. .venv/bin/activate`
-    result = subprocess.run(["bash", "-c", "set -e\n" + block], cwd=ROOT, env=env, capture_output=True,
+    # The block's `cd examples/unchanged_job` and `reports` directory, in a copy of the example
+    # of this test's own: other tests (in parallel under xdist) run the same job.
+    shutil.copytree(ROOT / "examples" / "unchanged_job", tmp_path / "examples" / "unchanged_job",
+                    ignore=shutil.ignore_patterns("__pycache__", "reports"))
+    result = subprocess.run(["bash", "-c", "set -e\n" + block], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=300)
-    try:
-        assert "rollout_data['kl'][0] was modified in place by aten.mul_.Tensor" in result.stderr, result.stderr
-        assert "kvguard: 2 guarded calls" in result.stderr
-        assert "rollout_data['kl'][0]" in result.stdout  # `kvguard report reports`: the table
-    finally:
-        subprocess.run(["rm", "-rf", str(ROOT / "examples" / "unchanged_job" / "reports")], check=False)
+    assert "rollout_data['kl'][0] was modified in place by aten.mul_.Tensor" in result.stderr, result.stderr
+    assert "kvguard: 2 guarded calls" in result.stderr
+    assert "rollout_data['kl'][0]" in result.stdout, result.stdout  # `kvguard report reports`: the table
