@@ -824,14 +824,23 @@ def test_two_processes_building_together_build_once_and_both_load(
         m = _build.load()
         print(_build.reason() if m is None else m.install() > 1000)
     """)
-    env = _child_env(KVGUARD_CACHE_DIR=str(tmp_path))
+    # A compiler that takes 3 s and writes the module this session built: the lock, the cache
+    # and loading are what is tested here; compiling the source is (CI builds it from scratch).
+    fake = tmp_path / "slow-cxx"
+    fake.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        while [ $# -gt 1 ]; do [ "$1" = -o ] && out="$2"; shift; done
+        sleep 3 && cp {write_hook_module.__file__} "$out"
+    """))
+    fake.chmod(0o755)
+    env = _child_env(KVGUARD_CACHE_DIR=str(tmp_path / "cache"), CXX=str(fake))
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env) for _ in range(2)]
     results = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], results
     assert [out.strip() for out, _ in results] == ["True", "True"], results
     assert sum(err.count("kvguard: building the compiled write hook") for _, err in results) == 1
-    assert len(list(tmp_path.rglob("_write_hook*.so"))) == 1
+    assert len(list((tmp_path / "cache").rglob("_write_hook*.so"))) == 1
     assert not list(tmp_path.rglob("*.tmp*")) and not list(tmp_path.rglob("failed"))
 
 
