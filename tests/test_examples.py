@@ -15,7 +15,7 @@ def run_demo(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"}
     env = {k: v for k, v in env.items() if not k.startswith("KVGUARD")}
     return subprocess.run([sys.executable, str(DEMO), *args], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=120)
+                          env=env, cwd=ROOT, timeout=600)
 
 
 def _line_of(text: str) -> int:

@@ -327,7 +327,7 @@ def test_an_uncaught_error_traceback_ends_at_the_users_line(tmp_path: Path) -> N
         with kvguard.guard(rd):
             shape(rd)
     """))
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
                             env={k: v for k, v in os.environ.items() if not k.startswith("KVGUARD")})
     assert result.returncode == 1
     frames = [line.strip() for line in result.stderr.splitlines() if line.strip().startswith("File ")]

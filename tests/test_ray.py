@@ -103,7 +103,7 @@ def records(reports: Path, pid: int, kind: str, wait: float = 0.0) -> list[dict[
 def kvguard_report(reports: Path) -> tuple[int, dict[str, Any]]:
     """`python -m kvguard report DIR --json`: its exit status and output."""
     done = subprocess.run([sys.executable, "-m", "kvguard", "report", str(reports), "--json"],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=600)
     return done.returncode, json.loads(done.stdout)
 
 

@@ -54,7 +54,7 @@ def torchrun(reports: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 def report(reports: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvguard", "report", str(reports), *args],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=600)
 
 
 def summaries(reports: Path) -> dict[int, dict[str, Any]]:
@@ -109,7 +109,7 @@ def test_cp2_fixed_run_is_clean(tmp_path: Path) -> None:
     # The same numbers as one process, unguarded: slicing and gathering keep the math.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGUARD", "RANK", "WORLD_SIZE", "MASTER_"))}
     one = subprocess.run([sys.executable, str(EXAMPLE)], env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=600)
     assert one.returncode == 0 and one.stderr == "", one.stderr
     steps = [line for line in result.stdout.splitlines() if line.startswith("step")]
     assert len(steps) == 12 and steps == [line for line in one.stdout.splitlines() if line.startswith("step")]
