@@ -15,16 +15,19 @@ class MutationError(RuntimeError):
     `event` that triggered it and the guard's `report`; both are plain data, so the
     error pickles across processes (Ray, multiprocessing).
 
-    A handler that reads the error (its text, `event` or `report`) has seen it. One
-    that catches it without looking (`except RuntimeError: retry`) swallowed it: the
-    guard raises it again at its exit.
+    A handler that names this class (`except MutationError:`, `pytest.raises(
+    MutationError)`; found from the bytecode when the error is raised, see `_handlers`)
+    or reads the error (its text, `event` or `report`) has seen it. One that catches it
+    through a base class without looking (`except RuntimeError: retry`) swallowed it:
+    the guard raises it again at its exit.
     """
 
     def __init__(self, message: str, event: Optional[MutationEvent] = None,
                  report: Optional[GuardReport] = None) -> None:
         super().__init__(message, event, report)
         # Shared with the guard that raised it, which keeps this cell, not the error (whose
-        # traceback holds the writing frames), to tell at its exit whether it was read.
+        # traceback holds the writing frames), to tell at its exit whether it was read
+        # (or caught by a handler that names this class).
         self.seen_cell = [False]
 
     @property

@@ -2,7 +2,6 @@
 
 Loaded in every pytest run where kvguard is installed (entry point `pytest11`), so it
 imports only kvguard's torch-free modules; torch loads when a guard is first entered.
-Opt out with `-p no:kvguard`.
 
     def test_advantages(mutation_guard, rollout_data):
         mutation_guard.protect(rollout_data, name="rollout_data")
@@ -11,17 +10,32 @@ Opt out with `-p no:kvguard`.
     @pytest.mark.kvguard(arg="rollout_data")        # or no arg: every funcarg holding tensors
     def test_advantages(rollout_data): ...
 
-The action comes from, highest first: the marker's `action=` (or `protect(action=...)`),
-`--kvguard`, the `KVGUARD` environment variable (empty counts as unset), the
-`kvguard_action` ini key, then "raise". "off" makes `protect()` and markers without an
-`action=` of their own no-ops. What each action does to a test:
+A test that writes a protected tensor never passes while the checks are on. The action
+only says where it fails:
 
-- raise: the write raises `MutationError` inside the test call, so the test FAILS with the
-  report as its message; a change only the exit check sees fails the test after the call.
-- warn: the test passes; each mutation is a `MutationWarning` in the warnings summary
-  (`filterwarnings = error` turns it into a failure, as for any warning).
-- record: writes go through, and after the call the test FAILS with the full report of
-  every write and its diff. Use it to see all the mutations at once rather than the first.
+- raise (the default): the write raises `MutationError` inside the test call, so the test
+  FAILS at that line with the report as its message, and the data is intact. A change
+  only the exit check sees fails the test after the call.
+- record: writes go through, and after the call the test FAILS with the report of every
+  write and its diff (to see all the mutations at once rather than the first).
+- warn: as record, and each write's panel is printed (and warned) when it happens.
+- off: `protect()` and the marker guard nothing; the header says so, and the terminal
+  summary counts the tests that asked for checks.
+
+The session's action comes from, highest first: `--kvguard`, the `kvguard_action` ini
+key, then "raise". The `KVGUARD` environment variable is not read here: it switches env
+activation of `KVGUARD_TARGETS` in a job, and the value a user's shell still holds from
+the last job (`warn`, `0`) must not decide whether a regression test can fail (CI sets
+`PYTEST_ADDOPTS=--kvguard=record` instead). The header notes it when it is set.
+
+A test chooses how it fails with the marker's `action=` (or `protect(action=...)`),
+which beats the session's action; `warn` and `record` chosen there fail the test at its
+end as well: a test that wants to look at writes without failing uses `kvguard.guard()`
+itself. "off" is a switch, not a way to fail: `--kvguard=off` turns off every check,
+explicit `action=` included, and `action="off"` turns off that one test's.
+
+`-p no:kvguard` blocks this module; the second entry point, `kvguard._pytest_off`, then
+keeps the marker and the fixture working as "off" and says so (see that module).
 
 Guards entered during the test call (the marker's, and `protect()` from the test body) are
 exited in a `pytest_runtest_call` wrapper, so what they find is a failure, not an error.
@@ -38,21 +52,35 @@ from typing import Any, Collection, Generator, Iterator, Optional
 import pytest
 
 from kvguard._config import OFF, parse_action
-from kvguard._errors import ConfigError, MutationError
+from kvguard._errors import ConfigError, MutationError, MutationWarning
+from kvguard._pytest_off import MARKER_HELP, OffLedger
 
 ACTION_HELP = ("What a kvguard guard does on an in-place write to a protected tensor: raise "
-               "(fail the test at the write), warn, record (fail after the test with every "
-               "write and its diff) or off. Default: raise.")
+               "(fail the test at the write), record (fail at the end of the test with every "
+               "write and its diff), warn (as record, and print each write as it happens) or "
+               "off. Default: raise. The KVGUARD environment variable does not set it.")
 INI_HELP = "Default for --kvguard: raise, warn, record or off."
-MARKER_HELP = ("kvguard(arg=None, *, action=None, name=None, keys=None, ignore=()): fail the test "
-               "when it writes in place to a tensor reachable from the funcarg `arg` (default: "
-               "every funcarg holding tensors). See kvguard.guard() for keys and ignore.")
-HEADER = "kvguard: action={action} (from {source})"
+HEADER = "kvguard: action={action} (from {source}): {effect}"
+EFFECTS = {
+    "raise": "a write to a protected tensor fails the test at the write",
+    "record": "a write to a protected tensor fails the test at its end, every write listed",
+    "warn": "a write to a protected tensor is printed, and fails the test at its end, every write listed",
+    OFF: "mutation_guard.protect() and @pytest.mark.kvguard check nothing",
+}
+ENV_NOTE = ("kvguard: {var}={value!r} in the environment is for env activation (KVGUARD_TARGETS); "
+            "it does not set the tests' action (--kvguard or kvguard_action do)")
 ENV_VAR = "KVGUARD"
 DEFAULT = "raise"
+REPORTED = ("warn", "record")  # actions whose writes go through: the test fails at its end
 
 _SETTING = pytest.StashKey[tuple[str, str]]()  # (action, where it came from)
 _GUARDS = pytest.StashKey[list[Any]]()  # guards open on a test item, in the order entered
+_LEDGER = pytest.StashKey[OffLedger]()  # under --kvguard=off: the tests that asked for checks
+
+
+def header(action: str, source: str) -> str:
+    """The report-header line for the session's action."""
+    return HEADER.format(action=action, source=source, effect=EFFECTS[action])
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -64,9 +92,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER_HELP)
     try:
-        config.stash[_SETTING] = _effective_action(config)
+        config.stash[_SETTING] = action, source = _effective_action(config)
     except ConfigError as exc:
         raise pytest.UsageError(str(exc)) from None
+    if action == OFF:
+        config.stash[_LEDGER] = ledger = OffLedger(f"action=off from {source}")
+        config.pluginmanager.register(ledger, "kvguard-off-ledger")
     from kvguard._startup import not_activated_hint
 
     hint = not_activated_hint()
@@ -77,11 +108,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _effective_action(config: pytest.Config) -> tuple[str, str]:
-    # Lowest first: 1) default, 2) ini, 3) environment, 4) command line (the marker is per test).
+    # Lowest first: 1) default, 2) ini, 3) command line (the marker is per test).
     inifile = config.inipath.name if config.inipath else "the ini file"
     sources = [
         (config.getoption("kvguard"), "--kvguard"),
-        (os.environ.get(ENV_VAR), f"the {ENV_VAR} environment variable"),
         (config.getini("kvguard_action"), f"kvguard_action in {inifile}"),
     ]
     for value, where in sources:
@@ -90,9 +120,12 @@ def _effective_action(config: pytest.Config) -> tuple[str, str]:
     return DEFAULT, "default"
 
 
-def pytest_report_header(config: pytest.Config) -> str:
-    action, source = config.stash[_SETTING]
-    return HEADER.format(action=action, source=source)
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    lines = [header(*config.stash[_SETTING])]
+    ambient = os.environ.get(ENV_VAR, "").strip()
+    if ambient:
+        lines.append(ENV_NOTE.format(var=ENV_VAR, value=ambient))
+    return lines
 
 
 class MutationGuardFixture:
@@ -102,11 +135,12 @@ class MutationGuardFixture:
         self._item = item
 
     def protect(self, obj: Any, name: Optional[str] = None, *, action: Optional[str] = None,
-                keys: Optional[Collection[Any]] = None, ignore: Collection[Any] = ()) -> Any:
+                keys: Optional[Collection[Any]] = None, ignore: Optional[Collection[Any]] = None) -> Any:
         """Guard `obj` for the rest of the test and return the `kvguard.Guard`.
 
-        Without `action`, the session's setting applies; when that is "off", the guard
-        returned is never entered and its report stays empty.
+        Without `action`, the session's setting applies. A write fails the test under
+        every action but "off"; then the guard returned is never entered, its report
+        stays empty, and the terminal summary counts the test.
         """
         from kvguard._guard import Guard
 
@@ -137,7 +171,9 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
         _enter_marked(item)
         result = yield
     except BaseException as exc:
-        _close(item, start, exc)
+        writes = _close(item, start, exc)
+        if writes:  # the test failed on its own (an assert on data a write changed?): show them
+            item.add_report_section("call", "kvguard writes", "\n\n".join(writes))
         if isinstance(exc, MutationError):
             from kvguard._frames import drop_internal_frames
 
@@ -150,16 +186,21 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
 
 
 def _resolve(item: pytest.Item, action: Optional[str], where: str) -> str:
-    if action is None:
-        return item.config.stash[_SETTING][0]
+    """The action for one guard: its own `action=`, else the session's; "off" when the
+    session is off (noted for the summary: the test asked for a check)."""
+    ledger = item.config.stash.get(_LEDGER, None)
+    if ledger is not None:
+        ledger.note(item)
+        return OFF
     try:
-        return parse_action(action, where)
+        resolved = item.config.stash[_SETTING][0] if action is None else parse_action(action, where)
     except ConfigError as exc:
         pytest.fail(str(exc), pytrace=False)
+    return resolved
 
 
 def _marker_options(arg: Optional[str] = None, *, action: Optional[str] = None, name: Optional[str] = None,
-                    keys: Optional[Collection[Any]] = None, ignore: Collection[Any] = ()) -> dict[str, Any]:
+                    keys: Optional[Collection[Any]] = None, ignore: Optional[Collection[Any]] = None) -> dict[str, Any]:
     return dict(arg=arg, action=action, name=name, keys=keys, ignore=ignore)
 
 
@@ -216,7 +257,10 @@ def _test_site(item: pytest.Item) -> Any:
 
 
 def _close(item: pytest.Item, start: int, exc: Optional[BaseException]) -> list[str]:
-    """Exit the item's guards entered at or after `start`, innermost first; return failures."""
+    """Exit the item's guards entered at or after `start`, innermost first; return failures.
+
+    Under warn and record each guard that saw a write is one failure: its whole report.
+    """
     guards = item.stash.get(_GUARDS, [])
     closing, guards[start:] = guards[start:], []
     failures: list[str] = []
@@ -225,6 +269,7 @@ def _close(item: pytest.Item, start: int, exc: Optional[BaseException]) -> list[
     for g in reversed(closing):
         if g.exit_site is None:
             g.exit_site = site  # the exit check's findings point at the test, not at pluggy
+        reported = False
         try:
             g.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
         except MutationError as err:  # raise mode: a change only the exit check could see
@@ -232,10 +277,13 @@ def _close(item: pytest.Item, start: int, exc: Optional[BaseException]) -> list[
         except BaseException as err:  # close the others first, so no dispatch mode leaks
             broken = broken or err
         else:
-            if exc is None and g.action == "record" and not g.report.ok:
+            if g.action in REPORTED and not g.report.ok:
                 failures.append(g.report.format())
-        # Warnings a filter turned into errors: kept off the user's ops, they fail the test here.
-        failures += [f"{type(w).__name__}: {w}" for w in g.unraised_warnings]
+                reported = True
+        # Warnings a filter turned into errors: kept off the user's ops, they fail the test here
+        # (a MutationWarning's write is in the report already).
+        failures += [f"{type(w).__name__}: {w}" for w in g.unraised_warnings
+                     if not (reported and isinstance(w, MutationWarning))]
     if broken is not None:
         raise broken
     return failures

@@ -1,26 +1,35 @@
 """The pytest plugin, run through `pytester`: outcomes, failure text, settings and their sources.
 
-Inner runs are in-process (torch is already imported here); only the import-cost check
-starts a fresh interpreter.
+Inner runs are in-process (torch is already imported here); the import-cost check, the
+xdist runs and the run with every installed plugin autoloaded start fresh interpreters.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import subprocess
 import sys
 
 import pytest
 
-from kvguard._pytest_plugin import HEADER
+from kvguard._pytest_off import BLOCKED_HEADER
+from kvguard._pytest_plugin import ENV_NOTE
+from kvguard._pytest_plugin import header as plugin_header
 
 pytest_plugins = ["pytester"]
 
 # Inner runs load only this plugin: others (hypothesis) would re-import themselves on every
 # in-process run. Installed (even editable), `-p kvguard` names the pytest11 entry point;
 # from a bare checkout, load the module itself.
-INSTALLED = any(ep.name == "kvguard" for ep in importlib.metadata.entry_points(group="pytest11"))
+# Every distribution's, as pytest loads them (a checkout's stale kvguard.egg-info may come first).
+ENTRY_POINTS = {ep.name for dist in importlib.metadata.distributions() for ep in dist.entry_points
+                if ep.group == "pytest11"}
+INSTALLED = "kvguard" in ENTRY_POINTS
 LOAD = ("--disable-plugin-autoload", "-p", "kvguard" if INSTALLED else "kvguard._pytest_plugin")
+# `-p no:kvguard` with the second entry point (or its module, from a bare checkout) loaded.
+BLOCK = ("--disable-plugin-autoload", "-p", "no:kvguard",
+         "-p", "kvguard_off" if "kvguard_off" in ENTRY_POINTS else "kvguard._pytest_off")
 
 CONFTEST = """
 import pytest, torch
@@ -127,7 +136,7 @@ def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
 
 
 def header(action: str, source: str) -> str:
-    return HEADER.format(action=action, source=source)
+    return plugin_header(action, source)
 
 
 def assert_output(result: pytest.RunResult, *fragments: str, absent: str = "\0") -> None:
@@ -213,17 +222,160 @@ def test_record_fails_after_the_call_with_every_diff(project: pytest.Pytester) -
                   "after    [3, 3, 3, 3]")
 
 
-@pytest.mark.filterwarnings("default::kvguard.MutationWarning")  # in-process: ours apply inside
-def test_warn_passes_with_a_warning(project: pytest.Pytester) -> None:
-    result = run(project, "--kvguard=warn", "-k", "test_fixture and not clean and not two and not from")
-    result.assert_outcomes(passed=1, warnings=1)
-    assert_output(result, header("warn", "--kvguard"), "MutationWarning: batch['kl'][1] was modified in place")
+# -- a test that writes a protected tensor never passes while the checks are on ------------
+
+# The tests of a user's suite, each run under the session actions below. Names start with
+# `test_ambient` so that no selection of the file above picks them up.
+AMBIENT_TESTS = """
+import pytest, torch, kvguard
+
+def test_ambient_fixture(mutation_guard, batch):
+    mutation_guard.protect(batch, name="batch")
+    batch["kl"][0].add_(1)
+    batch["kl"][1].mul_(3)
+    for _ in range(3):
+        batch["kl"][1].sub_(1)   # the same site three times: three writes, each listed
+
+@pytest.mark.kvguard(arg="batch")
+def test_ambient_marker(batch):
+    batch["kl"][0].add_(1)
+
+@pytest.mark.kvguard(arg="batch", action="warn")
+def test_ambient_marker_asks_for_warn(batch):
+    batch["kl"][0].add_(1)
+
+def test_ambient_protect_asks_for_record(mutation_guard, batch):
+    g = mutation_guard.protect(batch, name="batch", action="record")
+    batch["kl"][0].add_(1)
+    assert len(g.report.events) == 1  # the test may look at the report: it fails all the same
+
+@pytest.mark.kvguard(arg="batch")
+def test_ambient_own_assert_fails_first(batch):
+    batch["kl"][0].add_(1)
+    assert batch["kl"][0].sum() == 4, "the data changed"
+
+def test_ambient_clean(mutation_guard, batch):
+    mutation_guard.protect(batch, name="batch")
+    assert (batch["kl"][0] * 2).sum() == 8
+"""
+
+# What the three protecting tests look like once the checks are off: each passes.
+OFF_TESTS = """
+import pytest, torch, kvguard
+
+def test_off_fixture(mutation_guard, batch):
+    g = mutation_guard.protect(batch, name="batch")
+    batch["kl"][0].add_(1)
+    assert g.report.ok
+
+@pytest.mark.kvguard(arg="batch", action="raise")
+def test_off_marker_with_explicit_action(batch):
+    batch["kl"][0].add_(1)
+
+@pytest.mark.kvguard
+def test_off_plain_marker(batch):
+    batch["kl"][0].add_(1)
+
+def test_off_unguarded(batch):
+    pass
+"""
 
 
-def test_off_disables_protect_and_plain_markers_but_not_explicit_actions(project: pytest.Pytester) -> None:
-    result = run(project, "--kvguard=off", "-k", "test_fixture or test_marker_all or explicit")
-    result.assert_outcomes(passed=5, failed=1)
-    assert_output(result, header("off", "--kvguard"), "FAILED test_inner.py::test_marker_explicit")
+@pytest.fixture
+def ambient(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_ambient=AMBIENT_TESTS)
+    return pytester
+
+
+@pytest.fixture
+def off_project(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_off=OFF_TESTS)
+    return pytester
+
+
+@pytest.mark.parametrize("env", ["warn", "record", "0", "off", "1"])
+def test_the_kvguard_variable_of_the_shell_does_not_let_a_write_pass(ambient: pytest.Pytester,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    env: str) -> None:
+    """A user who just ran a job with `KVGUARD=warn` (or switched it off with 0) still has a
+    regression suite that fails: the session action stays the default, raise, at the write."""
+    monkeypatch.setenv("KVGUARD", env)
+    result = run(ambient, "-k", "test_ambient_fixture or test_ambient_marker and not asks")
+    result.assert_outcomes(failed=2)
+    assert_output(result, header("raise", "default"), ENV_NOTE.format(var="KVGUARD", value=env),
+                  "E       kvguard.MutationError: batch['kl'][0] would be modified in place by aten.add_.Tensor",
+                  "action   raised before the write; the data is intact")
+
+
+@pytest.mark.parametrize("action", ["warn", "record"])
+def test_warn_and_record_fail_at_the_end_with_every_write(ambient: pytest.Pytester, action: str) -> None:
+    result = run(ambient, f"--kvguard={action}", "-k", "test_ambient_fixture or test_ambient_marker and not asks")
+    result.assert_outcomes(failed=2)
+    text = result.stdout.str()
+    assert_output(result, header(action, "--kvguard"),
+                  "batch['kl'][0] was modified in place by aten.add_.Tensor at test_ambient.py:5",
+                  "batch['kl'][1] was modified in place by aten.mul_.Tensor at test_ambient.py:6",
+                  "batch['kl'][1] was modified in place by aten.sub_.Tensor at test_ambient.py:8",
+                  "FAILED test_ambient.py::test_ambient_fixture",
+                  "FAILED test_ambient.py::test_ambient_marker")
+    assert text.count("modified in place by aten.sub_.Tensor at test_ambient.py:8") >= 3, text
+    assert "would be modified" not in text  # nothing was blocked: the writes went through
+
+
+@pytest.mark.parametrize("session", [(), ("--kvguard=raise",), ("--kvguard=warn",)])
+def test_an_explicit_warn_or_record_fails_the_test_at_its_end(ambient: pytest.Pytester,
+                                                               session: tuple[str, ...]) -> None:
+    """A test that asks for warn or record chose how to fail, not whether."""
+    result = run(ambient, *session, "-k", "asks")
+    result.assert_outcomes(failed=2)
+    assert_output(result, "batch['kl'][0] was modified in place by aten.add_.Tensor at test_ambient.py:",
+                  absent="would be modified")
+
+
+def test_a_test_failing_on_its_own_shows_the_writes_beside_its_error(ambient: pytest.Pytester) -> None:
+    result = run(ambient, "--kvguard=record", "-k", "own_assert")
+    result.assert_outcomes(failed=1)
+    assert_output(result, "AssertionError: the data changed", "kvguard writes",
+                  "batch['kl'][0] was modified in place by aten.add_.Tensor at test_ambient.py:")
+
+
+def test_warn_under_warnings_as_errors_fails_once_per_write(ambient: pytest.Pytester) -> None:
+    """`filterwarnings = error` makes each MutationWarning a failure too: the report says it once."""
+    ambient.makeini("[pytest]\nfilterwarnings =\n    error\n")
+    result = run(ambient, "--kvguard=warn", "-k", "test_ambient_marker and not asks")
+    result.assert_outcomes(failed=1)
+    assert "MutationWarning: " not in result.stdout.str()
+    assert_output(result, "batch['kl'][0] was modified in place by aten.add_.Tensor")
+
+
+def test_clean_tests_pass_under_every_action(ambient: pytest.Pytester) -> None:
+    for action in ("raise", "warn", "record", "off"):
+        run(ambient, f"--kvguard={action}", "-k", "clean").assert_outcomes(passed=1)
+
+
+def test_off_turns_off_every_check_and_counts_the_tests_that_asked(off_project: pytest.Pytester) -> None:
+    result = run(off_project, "--kvguard=off")
+    result.assert_outcomes(passed=4)
+    assert_output(result, header("off", "--kvguard"),
+                  "kvguard: 3 tests asked for kvguard checks that were off (action=off from --kvguard): "
+                  "test_off.py::test_off_fixture, test_off.py::test_off_marker_with_explicit_action, "
+                  "test_off.py::test_off_plain_marker")
+
+
+def test_off_from_the_ini_file_says_where_it_came_from(off_project: pytest.Pytester) -> None:
+    off_project.makeini("[pytest]\nkvguard_action = off\n")
+    result = run(off_project, "-k", "plain_marker")
+    result.assert_outcomes(passed=1)
+    assert_output(result, header("off", "kvguard_action in tox.ini"),
+                  "kvguard: 1 test asked for kvguard checks that were off (action=off from kvguard_action in tox.ini)")
+
+
+def test_on_no_summary_line_about_off_checks(off_project: pytest.Pytester) -> None:
+    result = run(off_project, "-k", "unguarded")
+    result.assert_outcomes(passed=1)
+    assert "asked for kvguard checks" not in result.stdout.str()
 
 
 def test_header_default(project: pytest.Pytester) -> None:
@@ -232,9 +384,9 @@ def test_header_default(project: pytest.Pytester) -> None:
 
 @pytest.mark.parametrize(("ini", "env", "cli", "expected"), [
     ("warn", None, None, header("warn", "kvguard_action in tox.ini")),
-    ("raise", "1", None, header("warn", "the KVGUARD environment variable")),
+    ("record", "raise", None, header("record", "kvguard_action in tox.ini")),
     ("raise", "off", "--kvguard=record", header("record", "--kvguard")),
-], ids=["ini", "env-beats-ini", "cli-beats-env"])
+], ids=["ini", "env-is-not-read", "cli-beats-ini"])
 def test_precedence(project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
                     ini: str, env: str | None, cli: str | None, expected: str) -> None:
     project.makeini(f"[pytest]\nkvguard_action = {ini}\n")
@@ -251,13 +403,9 @@ def test_marker_beats_cli(project: pytest.Pytester) -> None:
 
 @pytest.mark.parametrize(("setup", "source"), [
     ({"args": ["--kvguard=rase"]}, "--kvguard"),
-    ({"env": "rase"}, "the KVGUARD environment variable"),
     ({"ini": "rase"}, "kvguard_action in tox.ini"),
-], ids=["cli", "env", "ini"])
-def test_bad_value_is_a_usage_error_naming_its_source(project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
-                                                      setup: dict, source: str) -> None:
-    if "env" in setup:
-        monkeypatch.setenv("KVGUARD", setup["env"])
+], ids=["cli", "ini"])
+def test_bad_value_is_a_usage_error_naming_its_source(project: pytest.Pytester, setup: dict, source: str) -> None:
     if "ini" in setup:
         project.makeini(f"[pytest]\nkvguard_action = {setup['ini']}\n")
     result = run(project, *setup.get("args", []))
@@ -265,12 +413,80 @@ def test_bad_value_is_a_usage_error_naming_its_source(project: pytest.Pytester, 
     result.stderr.fnmatch_lines([f"ERROR: invalid action 'rase' from {source}; expected *"])
 
 
-@pytest.mark.skipif(not INSTALLED, reason="-p no:kvguard names the pytest11 entry point")
-def test_no_kvguard_disables_the_plugin(project: pytest.Pytester) -> None:
-    result = project.runpytest("-p", "no:kvguard", "-p", "no:hypothesispytest",
-                               "-k", "test_fixture_clean or test_marker_all")
-    result.assert_outcomes(passed=1, errors=1)
-    assert_output(result, "fixture 'mutation_guard' not found", absent="kvguard: action=")
+def test_a_bad_kvguard_variable_is_no_usage_error_of_the_tests(project: pytest.Pytester,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVGUARD", "rase")
+    result = run(project, "-k", "clean")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([ENV_NOTE.format(var="KVGUARD", value="rase")])
+
+
+# -- -p no:kvguard ---------------------------------------------------------------------------
+
+def test_blocked_plugin_keeps_marker_and_fixture_and_says_they_are_off(off_project: pytest.Pytester) -> None:
+    off_project.makeini("[pytest]\nkvguard_action = raise\n")
+    result = run_blocked(off_project, "--strict-markers", "--strict-config", "--kvguard=raise")
+    result.assert_outcomes(passed=4)
+    assert_output(result, BLOCKED_HEADER,
+                  "kvguard: 3 tests asked for kvguard checks that were off (-p no:kvguard): "
+                  "test_off.py::test_off_fixture, test_off.py::test_off_marker_with_explicit_action, "
+                  "test_off.py::test_off_plain_marker", absent="kvguard: action=")
+
+
+def test_blocked_plugin_lists_the_marker_and_the_ignored_option(pytester: pytest.Pytester) -> None:
+    assert_output(run_blocked(pytester, "--markers"), "@pytest.mark.kvguard(arg=None, *, action=None")
+    assert_output(run_blocked(pytester, "--help"), "--kvguard=ACTION", "Ignored: -p no:kvguard blocks")
+
+
+def test_the_second_entry_point_is_inert_next_to_the_plugin(project: pytest.Pytester) -> None:
+    """Both loaded (as an installed kvguard always has them): no clash, the plugin decides."""
+    second = "kvguard_off" if "kvguard_off" in ENTRY_POINTS else "kvguard._pytest_off"
+    result = project.runpytest(*LOAD, "-p", second, "-k", "test_fixture and not clean and not two and not from")
+    result.assert_outcomes(failed=1)
+    assert_output(result, header("raise", "default"), absent=BLOCKED_HEADER)
+
+
+def run_blocked(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest(*BLOCK, *args)
+
+
+@pytest.mark.skipif("kvguard_off" not in ENTRY_POINTS, reason="the installed entry points (pip install -e .)")
+def test_no_kvguard_with_every_installed_plugin(off_project: pytest.Pytester) -> None:
+    """As a user types it: autoload on, the entry points as installed, in a fresh interpreter."""
+    result = off_project.runpytest_subprocess("-p", "no:kvguard", "-p", "no:hypothesispytest",
+                                              "-p", "no:xdist", "--strict-markers")
+    result.assert_outcomes(passed=4)
+    assert_output(result, BLOCKED_HEADER, "kvguard: 3 tests asked for kvguard checks that were off",
+                  absent="kvguard: action=")
+
+
+# -- pytest-xdist: the off count is kept by the controller --------------------------------------
+
+XDIST = pytest.mark.skipif(importlib.util.find_spec("xdist") is None, reason="pytest-xdist is not installed")
+
+
+@XDIST
+@pytest.mark.parametrize("blocked", [False, True], ids=["off", "blocked"])
+def test_off_count_under_xdist(pytester: pytest.Pytester, blocked: bool) -> None:
+    """Workers mark the reports, the controller counts: torch-free tests, so workers start fast."""
+    pytester.makepyfile(test_off_xdist="""
+        import pytest
+
+        @pytest.mark.parametrize("i", range(4))
+        def test_protect(mutation_guard, i):
+            mutation_guard.protect({"kl": [float(i)]}, name="batch")
+
+        @pytest.mark.kvguard(action="record")
+        def test_marker():
+            pass
+
+        def test_unguarded():
+            pass
+    """)
+    load = (BLOCK if blocked else LOAD) + ("-p", "xdist", "-n", "2")
+    result = pytester.runpytest_subprocess(*load, *(() if blocked else ("--kvguard=off",)))
+    result.assert_outcomes(passed=6)
+    result.stdout.fnmatch_lines(["kvguard: 5 tests asked for kvguard checks that were off (*): *"])
 
 
 def test_help_and_markers(pytester: pytest.Pytester) -> None:
