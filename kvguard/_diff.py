@@ -320,11 +320,13 @@ class _Changes:
     """What one pass over the written values found (see `_compare`)."""
 
     def __init__(self) -> None:
-        self.count = 0
+        self.count = 0  # values whose bits changed
         self.samples: list[tuple[int, Any, Any]] = []  # (view index, before, after), the first few
         self.max_delta: Optional[float] = None  # from chunks compared in float64
         self.screened: Optional[float] = None  # largest exact |Δ| among the screened maxima
         self.flips = 0
+        self.zero_signs = 0  # 0.0 ↔ -0.0: equal as numbers, not as bits
+        self.nan_bits = 0  # NaN staying NaN with other bits (payload or sign)
 
 
 # Dtypes whose `-` and `abs` run natively and round monotonically: |Δ| is screened in
@@ -334,16 +336,32 @@ _SCREEN = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64
 _SIGN_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
               torch.float64: torch.int64, torch.int8: torch.int8, torch.int16: torch.int16,
               torch.int32: torch.int32, torch.int64: torch.int64}
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits_differ(was: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """Where the two hold different bits: the fingerprints' rule (`_digest` reads raw bits),
+    so `0.0 → -0.0` is a change and a NaN that keeps its bits is not."""
+    if was.dtype.is_complex:
+        was, after = torch.view_as_real(was), torch.view_as_real(after)
+        ints = _INT_OF_SIZE[was.element_size()]
+        return (was.view(ints) != after.view(ints)).any(-1)
+    if was.dtype.is_floating_point:
+        ints = _INT_OF_SIZE[was.element_size()]
+        return was.view(ints) != after.view(ints)
+    return was != after  # integers and bool: equal values are equal bits
 
 
 def _compare(data: _Data, before: torch.Tensor, spans: list[tuple[int, int]], first_only: bool) -> _Changes:
     """Count and describe the changes from `before`, CHUNK values at a time (one pass).
 
-    NaN staying NaN is no change. Float chunks take the fast route: `|after - before|`
-    in the stored dtype, whose maximum is not NaN exactly when no NaN (or inf staying inf)
-    is in the chunk, and then a value changed iff its |Δ| is not 0. Other chunks and dtypes
-    use only `!=`, `isnan`, `nonzero` and conversions, which every dtype has (float8 and
-    uint16-64 lack `<` and `-`), and take magnitudes in float64 (complex128).
+    A value changed when its bits did, the rule the fingerprints use: `0.0 → -0.0`
+    counts (as a sign of zero), a NaN keeping its bits does not, one whose payload or
+    sign changed counts (as NaN bits); neither has a magnitude. Float chunks take |Δ| by
+    the fast route: `|after - before|` in the stored dtype, whose maximum is not NaN
+    exactly when no NaN (or inf staying inf) is in the chunk. Other chunks and dtypes use
+    only `!=`, `==`, `isnan`, `nonzero`, bit views and conversions, which every dtype has
+    (float8 and uint16-64 lack `<` and `-`), and take magnitudes in float64 (complex128).
     """
     found = _Changes()
     dtype = before.dtype
@@ -357,18 +375,20 @@ def _compare(data: _Data, before: torch.Tensor, spans: list[tuple[int, int]], fi
     for pos, index, piece in _segments(data, spans, before.numel()):
         after = _read(data, piece).reshape(-1)  # a copy only for pieces that are not dense
         was = before[pos:pos + after.numel()]
+        differ = _bits_differ(was, after)
+        count = int(differ.count_nonzero())
+        if not count:
+            continue
+        found.count += count
+        _sample(found, differ, was, after, index)
+        if first_only:
+            return found
         if scratch is not None:
             delta = torch.sub(after, was, out=scratch[:after.numel()]).abs_()
             top = float(delta.max())
-            if not math.isnan(top):
-                count = int(delta.count_nonzero())
-                if not count:
-                    continue
-                found.count += count
-                _sample(found, delta, was, after, index)
-                if first_only:
-                    return found
-                if top > screen_top or top == screen_top and not alike:
+            if not math.isnan(top):  # no NaN here: a change with |Δ| 0 is a sign of zero
+                found.zero_signs += count - int(delta.count_nonzero())
+                if top > screen_top and top > 0 or top == screen_top and top > 0 and not alike:
                     # Rounding is monotone: the exact max is among the values at `top`, all
                     # within one step of it. Where both neighbours print alike, so does it.
                     alike = dtype == torch.float64 or _prints_alike(top, dtype)
@@ -379,19 +399,16 @@ def _compare(data: _Data, before: torch.Tensor, spans: list[tuple[int, int]], fi
                 if signed:
                     found.flips += _flips(was, after, no_nan=True, scratch=delta)
                 continue
-        changed = was != after
+        numeric = differ
         if floating:
-            changed &= ~(was.isnan() & after.isnan())
-        count = int(changed.count_nonzero())
-        if not count:
+            zeros = differ & (was == 0) & (after == 0)
+            nans = differ & was.isnan() & after.isnan()
+            found.zero_signs += int(zeros.count_nonzero())
+            found.nan_bits += int(nans.count_nonzero())
+            numeric = differ & ~(zeros | nans)
+        if dtype == torch.bool or not bool(numeric.any()):
             continue
-        found.count += count
-        _sample(found, changed, was, after, index)
-        if first_only:
-            return found
-        if dtype == torch.bool:
-            continue
-        found.max_delta = _max_of(found.max_delta, _exact_max(was, after, changed))
+        found.max_delta = _max_of(found.max_delta, _exact_max(was, after, numeric))
         if signed:
             found.flips += _flips(was, after, no_nan=not floating)
     if found.screened is not None:
@@ -518,6 +535,12 @@ def _diff_text(t: torch.Tensor, before: Optional[torch.Tensor], ranges: Optional
         tail = "" if scope else ": the write stored identical values"
         return _start(data, spans), f"0/{total} {data.noun} changed{scope}{tail}"
     parts = [f"{found.count}/{total} {data.noun} changed{scope}"]
+    if found.zero_signs:  # changes no |Δ| shows, said so that "changed" never reads as a mistake
+        parts.append("sign of zero changed (0 ↔ -0)" if found.zero_signs == found.count else
+                     f"{found.zero_signs} only in the sign of zero (0 ↔ -0)")
+    if found.nan_bits:
+        parts.append("NaN bits changed (payload or sign)" if found.nan_bits == found.count else
+                     f"{found.nan_bits} NaN to NaN with other bits")
     if found.max_delta is not None:
         parts.append(f"max |Δ| {_fmt(found.max_delta)}")
     if before.dtype.is_signed and not before.dtype.is_complex:

@@ -247,15 +247,26 @@ def _callee_name(func: ast.AST) -> Optional[str]:
 
 
 def drop_internal_frames(exc: BaseException) -> None:
-    """End the traceback at the user's line, not in torch's dispatcher and kvguard's mode."""
-    last_user, tb = None, exc.__traceback__
+    """Keep only the user's frames in the traceback, so that it ends at the user's line.
+
+    Frames of torch's dispatcher and Dynamo, kvguard's call wrappers and engines, wrapt and
+    the standard library go, also between two user frames (a guarded function's wrapper
+    sits between its caller and its body). A traceback with no user frame stays as it is.
+    Called while the error passes through kvguard's own frames: a bare `raise` there, and
+    Python's own re-raise at a `with` block's end, raise it with this traceback.
+    """
+    kept, tb = [], exc.__traceback__
     while tb is not None:
         filename = tb.tb_frame.f_code.co_filename
         if not _is_internal(filename if os.path.isabs(filename) else os.path.abspath(filename)):
-            last_user = tb
+            kept.append(tb)
         tb = tb.tb_next
-    if last_user is not None:
-        last_user.tb_next = None
+    if not kept:
+        return
+    for outer, inner in zip(kept, kept[1:]):
+        outer.tb_next = inner
+    kept[-1].tb_next = None
+    exc.__traceback__ = kept[0]
 
 
 def placement_site(frames: list[types.FrameType], chain: tuple[tuple[Any, Any], ...],

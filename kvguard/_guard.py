@@ -5,15 +5,13 @@ Torch-free at import: the engine (`_engines`, `_judge`, `_protect`) loads when a
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
 import sys
 import threading
 import warnings
 from typing import Any, Callable, Collection, Literal, Optional, TypeVar
 
-from kvguard import _frames, _handlers, _ranks, _render, _reportfile
+from kvguard import _frames, _ranks, _render, _reportfile
 from kvguard._allow import Allowlist
 from kvguard._allow import boundaries as allow_boundaries
 from kvguard._config import DEFAULT_MAX_EVENTS, parse_level
@@ -92,25 +90,11 @@ class Guard:
         self.call = STATE.tally.begin_call(self._label)
         for tally in self._tallies[1:]:
             tally.begin_call(self._label)
-        from kvguard import _torch
         from kvguard._protect import ProtectedSet
 
-        self._protected = protected = ProtectedSet(self.obj, self.name, self.keys, self.ignore,
-                                                    fingerprint=self.fingerprint)
-        if self.level == "full":
-            from kvguard import _engines
-            from kvguard._judge import WriteJudge
-
-            judge = WriteJudge(protected, self._on_event, block=self.action == "raise")
-            self._unhook_swap = _torch.on_swap_tensors(judge.on_swap)
-            try:
-                self._attachment = _engines.attach(judge)
-            except BaseException:
-                self._unhook_swap()
-                raise
-            self.engine = self._attachment.engine
-        else:  # no per-op hook at all; `swap_tensors` still needs our weak references aside
-            self._unhook_swap = _torch.on_swap_tensors(self._step_aside)
+        self._protected = ProtectedSet(self.obj, self.name, self.keys, self.ignore, fingerprint=self.fingerprint)
+        self._watch_ops()
+        self.engine = self._attachment.engine if self._attachment is not None else None
         self._thread = threading.get_ident()
         allow_boundaries.append(self._allow_boundary)
         return self
@@ -121,7 +105,7 @@ class Guard:
         What changed before the block is reported as usual; what changed inside it (a
         numpy write the exit check would find later) is allowed with the block's reason.
         """
-        if self._protected is not None and threading.get_ident() == self._thread:
+        if self._protected is not None and threading.get_ident() == self._thread and not self._paused:
             self._boundary_check(rescan=False)
 
     def _step_aside(self, t1: Any, t2: Any) -> Callable[[bool], None]:
@@ -165,12 +149,10 @@ class Guard:
             return False  # an exception already leaving the block is never masked
         if unread is not None:
             # An `except RuntimeError:` around the write swallowed the error unread: the
-            # write was skipped and the code went on as if it had happened. (A handler that
-            # names MutationError marked it seen when it was raised: see `_handlers`.)
+            # write was skipped and the code went on as if it had happened.
             raise MutationError(unread[0] + "\n" + _render.detail_line(
-                "caught", "this MutationError was caught inside the guard and never read (by a handler "
-                "for a broader class: except RuntimeError/Exception?); the write did not happen. A handler "
-                "that expects it names kvguard.MutationError"), unread[1], self.report)
+                "caught", "this MutationError was caught inside the guard and never read (an except "
+                "clause around the write?); the write did not happen"), unread[1], self.report)
         if unobserved:
             # Too late to stop the change, but a raise guard must not end quietly.
             raise MutationError(_render.format_event(unobserved[0]), unobserved[0], self.report)
@@ -186,7 +168,7 @@ class Guard:
         """
         if exc_type is not None or unobserved or self.report.events or self.report.cut or self._raised:
             return None
-        if self.report.allowed or (self._attachment is not None and self._attachment.ops):
+        if self.report.allowed or self._ops_seen():
             return None
         try:
             return _ranks.not_run_reason()
@@ -287,17 +269,89 @@ class Guard:
         STATE.publish(event, self)
         if self.action == "raise" and not at_exit:
             error = MutationError(_render.format_event(event), event, self.report)
-            if _handlers.caught_by_its_own_class(error, sys._getframe(1)):
-                error.seen_cell[0] = True  # `except MutationError:`, `pytest.raises(MutationError)`: expected
             self._raised = [r for r in self._raised if not r[0][0]] + [(error.seen_cell, error.args[0], event)]
             raise error
         if self.action == "warn" and STATE.first_sighting(event):  # later writes at the site: counted
             _render.print_event(event, tag=_ranks.rank_tag())
             self._warn(event.headline(), MutationWarning, event.filename, event.lineno)
 
+    # -- pause and resume: a guarded generator's or coroutine's body between its steps ---------
+
+    _paused = False  # set while the body is suspended: no op of anyone else's is judged
+    _judge: Any = None  # the engine's judge of this guard's writes, kept over pauses (level "full")
+    _ops_before = 0  # ops seen under the attachments of earlier stretches
+
+    def pause(self, site: Optional[_frames.Site] = None) -> Optional[MutationError]:
+        """Stop watching while a guarded generator or coroutine is suspended (`yield`, `await`).
+
+        Detaches from the engine, so that writes made by other code on this thread (the
+        consumer, other coroutines) until `resume()` are not this guard's, then checks the
+        stretch that just ran as the exit check would: its findings are reported as at exit,
+        located at `site` (where the body is suspended). Under action="raise" the error for
+        the first finding is returned, for the caller to raise in the body (the change has
+        happened); None otherwise.
+        """
+        if self._protected is None or self._paused:
+            raise RuntimeError(f"{self!r}.pause() needs an active guard that is not paused")
+        self._paused = True
+        attachment, self._attachment = self._attachment, None
+        unhook, self._unhook_swap = self._unhook_swap, _nothing_to_undo
+        try:
+            if attachment is not None:
+                self._ops_before += attachment.ops
+                attachment.detach((None, None, None))
+        finally:
+            unhook()
+        found = self._exit_check(site)
+        for event in found:
+            self._on_event(event, at_exit=True)
+        if found and self.action == "raise":
+            return MutationError(_render.format_event(found[0]), found[0], self.report)
+        return None
+
+    def resume(self) -> None:
+        """Watch again as the body resumes, from the values and placements as they are now.
+
+        What other code changed while the body was suspended is not the body's: the
+        digests start again from the values now, without reporting it.
+        """
+        if self._protected is None or not self._paused:
+            raise RuntimeError(f"{self!r}.resume() needs a paused guard")
+        self._protected.boundary_changes(None, rescan=False)  # digests and placements as of now
+        self._watch_ops()
+        self._paused = False
+
+    def _watch_ops(self) -> None:
+        """Attach to the engine (level "full") and step aside for `swap_tensors`: at entry and each resume."""
+        from kvguard import _torch
+
+        if self.level != "full":  # no per-op hook at all; `swap_tensors` still needs our weak references aside
+            self._unhook_swap = _torch.on_swap_tensors(self._step_aside)
+            return
+        from kvguard import _engines
+        from kvguard._judge import WriteJudge
+
+        if self._judge is None:
+            self._judge = WriteJudge(self._protected, self._on_event, block=self.action == "raise")
+        self._unhook_swap = _torch.on_swap_tensors(self._judge.on_swap)
+        try:
+            self._attachment = _engines.attach(self._judge)
+        except BaseException:
+            self._unhook_swap()
+            self._unhook_swap = _nothing_to_undo
+            raise
+
+    def _ops_seen(self) -> int:
+        """Ops the engine saw under this guard, over every stretch it was attached."""
+        return self._ops_before + (self._attachment.ops if self._attachment is not None else 0)
+
     def __repr__(self) -> str:
         state = "active" if self._protected is not None else ("done" if self._entered else "new")
         return f"<kvguard.guard {self.name} action={self.action} {state}, {len(self.report.events)} events>"
+
+
+def _nothing_to_undo() -> None:
+    pass
 
 
 def guard(obj: Any, *, name: Optional[str] = None, action: str = "raise",
@@ -337,65 +391,53 @@ def guard(obj: Any, *, name: Optional[str] = None, action: str = "raise",
 
 
 def guarded(argname: str, *, name: Optional[str] = None, action: str = "raise",
-            keys: Optional[Collection[Any]] = None, ignore: Collection[Any] = (),
-            allow: Collection[str] = (), report_dir: Optional[str | os.PathLike[str]] = None,
-            level: str = "full", fingerprint: Optional[bool] = None) -> Callable[[F], F]:
+            keys: Optional[Collection[Any]] = None, ignore: Optional[Collection[Any]] = None,
+            allow: Optional[Collection[str]] = None, report_dir: Optional[str | os.PathLike[str]] = None,
+            level: Optional[str] = None, fingerprint: Optional[bool] = None) -> Callable[[F], F]:
     """Decorator: guard the argument `argname` on every call of the function.
 
-    Options as for `guard()`. The last call's report is kept on the wrapper as
-    `fn.last_report`.
+    Options as for `guard()` (None: the guard's default). The last call's report is kept
+    on the wrapper as `fn.last_report`. Generator, coroutine and async generator
+    functions are guarded while their body runs, paused whenever it is suspended (see
+    `_calls`); the wrapper has the same form, for `asyncio` and `inspect`.
 
     Example::
 
         @kvguard.guarded("rollout_data", action="warn")
         def compute_advantages_and_returns(args, rollout_data): ...
     """
+    from kvguard import _calls
+
     _check_action(action)
-    _check_level(level)
+    if level is not None:
+        _check_level(level)
     if not isinstance(argname, str):
         raise TypeError(f"kvguard.guarded() takes the argument's name as a string, got {argname!r}")
+    # Passed as given: an option left at None is the guard's own default.
+    given = {option: value for option, value in (("keys", keys), ("ignore", ignore), ("allow", allow),
+                                                ("report_dir", report_dir), ("level", level),
+                                                ("fingerprint", fingerprint)) if value is not None}
 
     def decorate(fn: F) -> F:
-        signature = inspect.signature(fn)
-        if argname not in signature.parameters:
-            raise TypeError(
-                f"kvguard.guarded({argname!r}): {fn.__qualname__}() has no parameter {argname!r}; "
-                f"its parameters are {', '.join(signature.parameters) or 'none'}"
-            )
-        if inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn):
-            raise TypeError(f"kvguard.guarded() supports plain functions; {fn.__qualname__} is "
-                            "a coroutine or generator function")
-
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            bound = signature.bind(*args, **kwargs)
-            if argname not in bound.arguments:
-                return fn(*args, **kwargs)  # left at its default: nothing of the caller's to protect
-            g = Guard(bound.arguments[argname], name=name or argname, action=action, keys=keys, ignore=ignore,
-                      allow=allow, report_dir=report_dir, level=level, fingerprint=fingerprint)
+        def start(value: Any, arguments: dict[str, Any]) -> Optional[Guard]:
+            if value is _calls.MISSING:
+                return None  # left at its default: nothing of the caller's to protect
+            g = Guard(value, name=name or argname, action=action, **given)
             outer.last_report = g.report  # type: ignore[attr-defined]
-            with g:
-                return fn(*args, **kwargs)
+            return g
 
-        outer = outside_dynamo(wrapper)
+        outer = _calls.wrap(fn, argname, start, f"kvguard.guarded({argname!r})")
         outer.last_report = None  # type: ignore[attr-defined]
-        return outer  # type: ignore[return-value]
+        return outer
 
     return decorate
 
 
 def outside_dynamo(fn: F) -> F:
-    """`fn`, run eagerly when called from `torch.compile`d code.
+    """`fn`, run eagerly when called from `torch.compile`d code, with no frame of torch's (see `_calls`)."""
+    from kvguard import _calls
 
-    Entering and leaving a guard (weak references, frames, a dispatch mode) must be
-    invisible to Dynamo: traced, it crashes. The guarded call itself runs eagerly, as
-    compiled code does anyway under a dispatch mode. Imports torch: call it only where
-    torch code is being wrapped.
-    """
-    import torch
-
-    disable: Callable[[F], F] = getattr(torch, "_disable_dynamo")  # dynamo.disable, imported lazily
-    return disable(fn)
+    return _calls.outside_dynamo(fn)
 
 
 def _check_action(action: Any) -> str:

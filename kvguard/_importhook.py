@@ -8,7 +8,6 @@ lets an exception escape: a failure is one line on stderr and the import goes on
 
 from __future__ import annotations
 
-import functools
 import inspect
 import itertools
 import sys
@@ -16,15 +15,15 @@ from typing import Any, Callable, Iterable, Optional
 
 import wrapt
 
+from kvguard import _calls
 from kvguard._config import Calls, Target
-from kvguard._guard import Guard, guardable, outside_dynamo
+from kvguard._guard import Guard, guardable
 from kvguard._render import say
 from kvguard._reportfile import open_writer
 from kvguard._state import STATE
 from kvguard._tally import TargetStats
 
 _MARK = "__kvguard_target__"
-_MISSING = object()  # the argument was not passed (left at its default)
 
 
 def install(targets: Iterable[Target], action: str, keys: Optional[tuple[str, ...]] = None,
@@ -42,18 +41,36 @@ def _hook(target: Target, *options: Any) -> Callable[[Any], None]:
         except Exception as exc:  # noqa: BLE001 - never break the user's import
             from kvguard._presets import missing_reason
 
-            if missing_reason(target, module) is None:  # a preset's function missing here: said at exit
+            if target.module == "__main__" and isinstance(exc, AttributeError):
+                say(main_script_line(target))
+            elif missing_reason(target, module) is None:  # a preset's function missing here: said at exit
                 say(f"kvguard: cannot guard {target}: {exc}")
     return on_import
+
+
+def main_script_line(target: Target) -> str:
+    """Why a `__main__:fn` target cannot be guarded from start-up, and what to do instead.
+
+    The script's functions do not exist yet when kvguard starts (the `.pth` runs before
+    the script), and a script is run, not imported, so no import hook ever sees them
+    defined; catching the definition would take a trace function slowing every call of
+    the job.
+    """
+    name = target.qualname.partition(".")[0]
+    return (f"kvguard: cannot guard {target}: the main script defines {name} only as it runs, after kvguard "
+            "starts, and a script is not imported, so no hook sees it; move it into a module the script "
+            f"imports and name that module (module:{target.qualname}({target.argname})), or decorate it "
+            f"with @kvguard.guarded({target.argname!r})")
 
 
 def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: Any = (),
           allow: tuple[str, ...] = (), calls: Calls = Calls(), level: str = "full") -> None:
     """Wrap `module.<qualname>` so the selected calls guard `argname`; rebind stale aliases.
 
-    The wrapper is a plain function (a `staticmethod`/`classmethod` stays one), not a
-    wrapt proxy: Dynamo takes a proxy for the function it wraps and compiles the
-    original, guard and all skipped. Calls are numbered from 1, selected by `calls` or not.
+    The wrapper is a plain function of the original's form (see `_calls`; a
+    `staticmethod`/`classmethod` stays one), not a wrapt proxy: Dynamo takes a proxy for
+    the function it wraps and compiles the original, guard and all skipped. Calls are
+    numbered from 1, selected by `calls` or not.
     """
     owner_path, _, attr = target.qualname.rpartition(".")
     owner = module
@@ -67,47 +84,80 @@ def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: An
     function = getattr(owner, attr)
     rewrap = type(original) if isinstance(original, (staticmethod, classmethod)) else None
     inner = original.__func__ if rewrap is not None else original
-    signature = inspect.signature(inner)
-    if target.argname not in signature.parameters:
-        raise TypeError(f"{target.qualname}() has no parameter {target.argname!r}; "
-                        f"its parameters are {', '.join(signature.parameters)}")
+    _calls.parameters(inner, target.argname)  # a missing one is said as "cannot guard ...: ..."
 
     label = str(target)
     numbers = itertools.count(1)
+    said_unguardable: list[bool] = []
 
-    @functools.wraps(inner)
-    def guarded_call(*args: Any, **kwargs: Any) -> Any:
+    def start(value: Any, arguments: dict[str, Any]) -> Optional[Guard]:
         number = next(numbers)
-        try:
-            value = signature.bind_partial(*args, **kwargs).arguments.get(target.argname, _MISSING)
-        except TypeError:
-            value = _MISSING  # let the call itself report the bad arguments
-        if value is _MISSING:  # left at its default: nothing of the caller's to protect
-            return inner(*args, **kwargs)
-        if not guardable(value):  # said at exit: the argument held nothing to guard
+        if value is _calls.MISSING:  # left at its default: nothing of the caller's to protect
+            return None
+        if not guardable(value):  # said now, once, and at exit
             kind = _type_name(value)
             for stats in _tallies(label):
                 stats.unguardable[kind] = stats.unguardable.get(kind, 0) + 1
-            return inner(*args, **kwargs)
+            if not said_unguardable:
+                said_unguardable.append(True)
+                say(unguardable_line(target, kind, arguments))
+            return None
         if not calls.selects(number):  # KVGUARD_CALLS: counted in the summary
             for stats in _tallies(label):
                 stats.unguarded_calls += 1
-            return inner(*args, **kwargs)
-        g = Guard(value, name=target.argname, action=action, keys=keys, ignore=ignore, allow=allow, target=label,
-                  level=level)
-        try:
-            with g:
-                return inner(*args, **kwargs)
-        finally:
-            STATE.target_stats(label).keys_seen.update(g.keys_seen)
+            return None
+        return Guard(value, name=target.argname, action=action, keys=keys, ignore=ignore, allow=allow,
+                     target=label, level=level)
 
-    wrapper = outside_dynamo(guarded_call)
+    def finish(g: Guard) -> None:
+        STATE.target_stats(label).keys_seen.update(g.keys_seen)
+
+    wrapper = _calls.wrap(inner, target.argname, start, f"target {label}", finish)
     setattr(wrapper, _MARK, str(target))
     setattr(owner, attr, rewrap(wrapper) if rewrap is not None else wrapper)
     rebound = _rebind_aliases(function, getattr(owner, attr), skip=owner)
     STATE.patched.append(str(target))
     STATE.undo.append(lambda: _restore(owner, attr, original, rebound))
     _tallies(label)  # listed in the summaries, called or not
+
+
+WALKED = "mappings, sequences, dataclasses, SimpleNamespaces and pytree nodes"  # what `_tree` walks
+first_hints: dict[str, str] = {}  # target -> the hint said at its first unguardable call, for the exit line
+
+
+def unguardable_line(target: Target, kind: str, arguments: dict[str, Any]) -> str:
+    """The line said at a target's first call whose argument holds nothing kvguard walks.
+
+    Names the parameters of that call that did hold tensors: the argument the target
+    should have named, most likely.
+    """
+    holding = [name for name, value in arguments.items() if name != target.argname and _holds_tensor(value)]
+    if holding:
+        hint = f"did you mean {' or '.join(holding[:3])}? (the first call's {_plural_of(holding)} tensors)"
+    else:
+        hint = "no parameter of the first call held a tensor"
+    first_hints[str(target)] = hint
+    return (f"kvguard: target {target}: {target.argname} holds {kind}, whose contents kvguard does not walk "
+            f"(it walks {WALKED}), so its calls run unguarded; {hint}")
+
+
+def _plural_of(names: list[str]) -> str:
+    return "parameter that holds" if len(names) == 1 else "parameters that hold"
+
+
+def _holds_tensor(value: Any) -> bool:
+    """Whether a guard of `value` would protect a tensor (walks it once; never raises)."""
+    if not guardable(value):
+        return False
+    try:
+        import torch
+
+        from kvguard import _tree
+
+        leaves, _ = _tree.walk(value, "x", torch.Tensor)
+        return bool(leaves)
+    except Exception:  # noqa: BLE001 - a container whose walk fails: not a suggestion
+        return False
 
 
 def _tallies(label: str) -> list[TargetStats]:

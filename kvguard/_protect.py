@@ -180,7 +180,10 @@ class ProtectedSet:
         reaches it is kept; one that no longer does gives way to the first that does. A
         tensor no longer reachable keeps its last path and is marked `detached`.
         """
-        if self._paths_stale or _tree.keys_changed(self._watch):
+        # A renamed key moves paths with no placement; a placement not looked at yet waits for
+        # the next look (a swap is judged before one), as it would without the rename.
+        watch = self._watch
+        if self._paths_stale or _tree.keys_changed(watch) and not _tree.changed(watch):
             self._scan(frames=list(_frames.user_frames(sys._getframe(1))))
         if not self._reach_applied:
             self._reach_applied = True

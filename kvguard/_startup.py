@@ -11,7 +11,9 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from kvguard._config import Target
     from kvguard._state import State
+    from kvguard._tally import TargetStats
 
 _activated = False
 
@@ -104,6 +106,9 @@ def diagnostics(state: "State") -> list[str]:
             if target.module not in sys.modules:
                 lines.append(f"kvguard: target {target.module}:{target.qualname} was never imported "
                              f"({_why_not_imported(target.module)})")
+            elif target.module == "__main__":  # said at start-up, with the fix; never counted as clean
+                lines.append(f"kvguard: target {target} was not guarded: a function of the main script "
+                             "(see the line at start-up)")
             continue  # imported but not patchable: said when it was imported
         assert stats is not None
         skipped = sum(stats.unguardable.values())
@@ -120,13 +125,12 @@ def diagnostics(state: "State") -> list[str]:
             if not is_preset(target):  # a preset's: said per preset above, when none of them was called
                 lines.append(f"kvguard: target {target} was never called")
         elif stats.calls == 0:
-            kinds = ", ".join(sorted(stats.unguardable))
-            lines.append(f"kvguard: target {target}: {target.argname} was never guarded in {skipped} "
-                         f"call{'s' if skipped != 1 else ''}: it held {kinds}, whose contents kvguard does "
-                         "not walk (it walks mappings, sequences, dataclasses, namespaces and pytree nodes)")
+            lines.append(_unguardable_line(target, stats))
         elif stats.protected == 0:
             lines.append(f"kvguard: target {target}: {target.argname} held no tensor in "
                          f"{stats.calls} guarded call{'s' if stats.calls != 1 else ''}")
+        if stats.calls and skipped:
+            lines.append(_unguardable_line(target, stats))
     seen = set().union(*(s.keys_seen for s in targets.values())) if targets else set()
     missing = [k for k in settings.keys or () if k not in seen]
     if missing and state.tally.calls:
@@ -141,6 +145,20 @@ def diagnostics(state: "State") -> list[str]:
                      "in memory only; set KVGUARD_REPORT_DIR=DIR to write them to files, or use "
                      "KVGUARD=warn to print them")
     return lines
+
+
+def _unguardable_line(target: "Target", stats: "TargetStats") -> str:
+    """The exit line for calls whose argument held nothing kvguard walks (said at the first one too)."""
+    from kvguard._importhook import WALKED, first_hints
+
+    skipped = sum(stats.unguardable.values())
+    calls = f"{skipped} call{'s' if skipped != 1 else ''}"
+    if stats.calls:
+        calls = f"{skipped} of its {skipped + stats.calls} calls"
+    kinds = ", ".join(sorted(stats.unguardable))
+    hint = first_hints.get(str(target))
+    return (f"kvguard: target {target}: {target.argname} was never guarded in {calls}: it held {kinds}, whose "
+            f"contents kvguard does not walk (it walks {WALKED})" + (f"; {hint}" if hint else ""))
 
 
 def _why_not_imported(module: str) -> str:

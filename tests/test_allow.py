@@ -181,3 +181,16 @@ def test_light_level_allows_a_change_made_in_the_block() -> None:
             rd["x"].add_(1)  # no op is watched: found as the block ends
         g.check()
     assert g.report.ok and g.report.allowed == {"kvguard.allow('fill')": 1}
+
+
+def test_a_finding_raised_by_check_is_not_returned_again() -> None:
+    rd = _rd()
+    with kvguard.guard(rd, name="rd", action="raise") as g:
+        rd["x"].numpy()[0] = 1
+        with pytest.raises(kvguard.MutationError):
+            g.check()
+        assert g.check() == []
+        with kvguard.allow("numpy fill"):
+            rd["y"].numpy()[0] = 1
+        assert g.check() == []
+    assert [e.path for e in g.report.events] == ["rd['x']"] and g.report.allowed == {REASON: 1}

@@ -249,19 +249,38 @@ def test_flat_ranges_copy_what_was_written_not_the_span() -> None:
 
 
 def reference_diff(before: torch.Tensor, after: torch.Tensor, shape: torch.Size) -> str:
-    """kvguard's diff before the chunked pass: masks and float64 over the whole tensor."""
-    neq = before != after
-    if before.dtype.is_floating_point or before.dtype.is_complex:
-        neq &= ~(before.isnan() & after.isnan())
+    """kvguard's diff before the chunked pass: masks and float64 over the whole tensor.
+
+    A value changed when its bits did (the fingerprints' rule): `0 ↔ -0` and a NaN whose
+    bits changed count, and have no magnitude.
+    """
+    floating = before.dtype.is_floating_point or before.dtype.is_complex
+    if floating:
+        real_b = torch.view_as_real(before) if before.dtype.is_complex else before.reshape(-1, 1)
+        real_a = torch.view_as_real(after) if after.dtype.is_complex else after.reshape(-1, 1)
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[real_b.element_size()]
+        neq = (real_b.view(ints) != real_a.view(ints)).any(-1)
+        zeros = neq & (before == 0) & (after == 0)
+        nans = neq & before.isnan() & after.isnan()
+    else:
+        neq = before != after
+        zeros = nans = torch.zeros_like(neq)
     idx = neq.nonzero().reshape(-1)
+    numeric = (neq & ~zeros & ~nans).nonzero().reshape(-1)
     total = before.numel()
     if idx.numel() == 0:
         return f"0/{total} elements changed: the write stored identical values"
     parts = [f"{idx.numel()}/{total} elements changed"]
+    for count, every, some in ((int(zeros.sum()), "sign of zero changed (0 ↔ -0)", "only in the sign of zero (0 ↔ -0)"),
+                               (int(nans.sum()), "NaN bits changed (payload or sign)", "NaN to NaN with other bits")):
+        if count:
+            parts.append(every if count == idx.numel() else f"{count} {some}")
     if before.dtype != torch.bool:
         wide = torch.complex128 if before.dtype.is_complex else torch.float64
+        if numeric.numel():
+            b, a = before[numeric].to(wide), after[numeric].to(wide)
+            parts.append(f"max |Δ| {_diff._fmt((a - b).abs().max().item())}")
         b, a = before[idx].to(wide), after[idx].to(wide)
-        parts.append(f"max |Δ| {_diff._fmt((a - b).abs().max().item())}")
         if before.dtype.is_signed and not before.dtype.is_complex:
             flips = int(((b > 0) & (a < 0) | (b < 0) & (a > 0)).sum())
             parts.append(f"{flips} sign flip{'s' if flips != 1 else ''}")

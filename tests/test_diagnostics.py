@@ -75,6 +75,9 @@ def test_every_way_of_being_off_is_named(tmp_path: Path) -> None:
                                                  "KVGUARD_KEYS": "kll,kl"})
     assert result.returncode == 0 and result.stdout == "job done\n"
     assert result.stderr.splitlines() == [
+        "kvguard: target argjob:takes_namespace(args): args holds argparse.Namespace, whose contents kvguard "
+        "does not walk (it walks mappings, sequences, dataclasses, SimpleNamespaces and pytree nodes), so its "
+        "calls run unguarded; no parameter of the first call held a tensor",  # said at the first call
         "kvguard: 1 guarded call, 1 write at 1 site",
         "  argjob.py:6 aten.mul_.Tensor: 1 write to rollout_data['kl'] in 1 call (first: rollout_data['kl'], call 1)",
         "kvguard: target fakerl.los:compute_advantages_and_returns was never imported "
@@ -82,7 +85,7 @@ def test_every_way_of_being_off_is_named(tmp_path: Path) -> None:
         "kvguard: target unusedpkg.mod:f was never imported (it exists, but this process never imported it)",
         "kvguard: target argjob:takes_namespace(args): args was never guarded in 2 calls: it held "
         "argparse.Namespace, whose contents kvguard does not walk (it walks mappings, sequences, "
-        "dataclasses, namespaces and pytree nodes)",
+        "dataclasses, SimpleNamespaces and pytree nodes); no parameter of the first call held a tensor",
         "kvguard: target argjob:never_called(rollout_data) was never called",
         "kvguard: KVGUARD_KEYS names 'kll', which no guarded argument ever held (they held kl, log_probs)",
         "kvguard: KVGUARD=record kept 1 event in memory only; set KVGUARD_REPORT_DIR=DIR to write them "

@@ -1,0 +1,315 @@
+"""One call wrapper for `guarded` and env targets: bind the argument, guard the call's body.
+
+The wrapper has the form of the function it wraps (`inspect.iscoroutinefunction` and
+the like, and asyncio, see what they expect):
+
+- a plain function runs under the guard; one that returns a generator or a coroutine
+  (a plain `def` around an `async def`) keeps its guard until that object finishes;
+- a generator, coroutine or async generator function is guarded while its body runs:
+  the guard is paused at each suspension (`yield`, or an `await` that hands control to
+  the event loop) and resumed at each `send` / `__next__` / `throw` / `asend` / `athrow`,
+  so what other coroutines on the same thread write in between is theirs, not its own.
+  Each pause checks the stretch that just ran; each resume starts from the values then.
+  The exit check runs when the body returns, raises, or is closed (`close()`,
+  garbage collection) unfinished.
+
+Torch-free at import: the guard itself is made by the caller's `start`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Optional, TypeVar
+
+from kvguard import _frames
+from kvguard._errors import MutationError
+from kvguard._render import say
+
+if TYPE_CHECKING:
+    from kvguard._guard import Guard
+
+F = TypeVar("F", bound=Callable[..., Any])
+MISSING: Any = object()  # the argument was not passed (left at its default), or the call cannot bind
+# The guard for one call: `start(value, arguments)` gets the argument's value (MISSING when
+# not passed) and the call's bound arguments; None runs the call unguarded.
+Start = Callable[[Any, dict[str, Any]], "Optional[Guard]"]
+Finish = Callable[["Guard"], None]  # after the guard of a call has exited
+
+
+def parameters(fn: Callable[..., Any], argname: str) -> inspect.Signature:
+    """`fn`'s signature; a `TypeError` naming its parameters when it has no `argname`."""
+    signature = inspect.signature(fn)
+    if argname not in signature.parameters:
+        raise TypeError(f"{getattr(fn, '__qualname__', fn)}() has no parameter {argname!r}; "
+                        f"its parameters are {', '.join(signature.parameters) or 'none'}")
+    return signature
+
+
+def wrap(fn: F, argname: str, start: Start, who: str, finish: Optional[Finish] = None) -> F:
+    """A wrapper of `fn`'s own form that guards `argname` on each call (see the module docstring).
+
+    `who` names the wrapper in messages (`kvguard.guarded('rd')`, `target m:f(rd)`).
+    Marked for Dynamo to step around it (see `outside_dynamo`).
+    """
+    try:
+        signature = parameters(fn, argname)
+    except TypeError as exc:
+        raise TypeError(f"{who}: {exc}") from None
+
+    def guard_for(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[Guard]:
+        try:
+            arguments = dict(signature.bind_partial(*args, **kwargs).arguments)
+        except TypeError:  # the call itself reports the bad arguments
+            return start(MISSING, {})
+        return start(arguments.get(argname, MISSING), arguments)
+
+    done = finish if finish is not None else _nothing
+    if inspect.isasyncgenfunction(fn):
+        wrapper: Callable[..., Any] = _async_generator_wrapper(fn, guard_for, done)
+    elif inspect.iscoroutinefunction(fn):
+        wrapper = _coroutine_wrapper(fn, guard_for, done)
+    elif inspect.isgeneratorfunction(fn):
+        wrapper = _generator_wrapper(fn, guard_for, done)
+    else:
+        wrapper = _plain_wrapper(fn, guard_for, done, who)
+    return outside_dynamo(functools.wraps(fn)(wrapper))  # type: ignore[return-value]
+
+
+def _nothing(guard: Guard) -> None:
+    pass
+
+
+GuardFor = Callable[[tuple[Any, ...], dict[str, Any]], "Optional[Guard]"]
+
+
+def _plain_wrapper(fn: Callable[..., Any], guard_for: GuardFor, done: Finish, who: str) -> Callable[..., Any]:
+    said: list[str] = []
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        g = guard_for(args, kwargs)
+        if g is None:
+            return fn(*args, **kwargs)
+        runner = _run(g, fn, args, kwargs, done)
+        try:
+            result = runner.send(None)
+        except StopIteration as stop:
+            return _said_unguarded(stop.value, fn, who, said)
+        except MutationError as exc:
+            _frames.drop_internal_frames(exc)
+            raise
+        return _continued(runner, result)
+    return call
+
+
+def _run(g: Guard, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+         done: Finish) -> Generator[Any, Any, Any]:
+    """Call `fn` under `g`; a generator or coroutine it returns keeps the guard (yielded, then driven)."""
+    try:
+        with g:
+            result = fn(*args, **kwargs)
+            steps = _steps_of(result)
+            if steps is None:
+                return result
+            error = g.pause()  # the plain body's stretch, checked at its return
+            if error is not None:
+                raise error
+            try:
+                yield result  # handed to the caller inside `_continued`, which drives the rest
+            finally:  # also when it is dropped before it ran (closed by the collector)
+                g.resume()
+            return (yield from _drive(g, steps, result))
+    finally:
+        done(g)
+
+
+def _steps_of(result: Any) -> Optional[Iterator[Any]]:
+    """What to step through to run `result` to its end, for a generator or coroutine; else None."""
+    if inspect.isgenerator(result):
+        return result
+    if inspect.iscoroutine(result):
+        return result.__await__()
+    return None
+
+
+def _continued(runner: Generator[Any, Any, Any], result: Any) -> Any:
+    """An object of `result`'s kind that runs `result` through `runner` (so under its guard)."""
+    continued: Any = _awaited(runner) if inspect.iscoroutine(result) else _yielded_from(runner)
+    continued.__name__, continued.__qualname__ = result.__name__, result.__qualname__
+    return continued
+
+
+def _yielded_from(runner: Generator[Any, Any, Any]) -> Generator[Any, Any, Any]:
+    return (yield from runner)
+
+
+async def _awaited(runner: Generator[Any, Any, Any]) -> Any:
+    return await _as_awaitable(runner)
+
+
+@types.coroutine
+def _as_awaitable(runner: Generator[Any, Any, Any]) -> Generator[Any, Any, Any]:
+    return (yield from runner)
+
+
+def _said_unguarded(result: Any, fn: Callable[..., Any], who: str, said: list[str]) -> Any:
+    """`result`; once per function, a line when it is work that runs later, unguarded (a Task, an
+    async generator): the guard covered only the call that made it."""
+    if not said and (inspect.isasyncgen(result) or inspect.isawaitable(result)):
+        said.append(who)
+        say(f"kvguard: {who}: {getattr(fn, '__qualname__', fn)}() returned {_kind(result)}, which runs "
+            "after the call returns: the guard covered only the call (guard the function that does the work)")
+    return result
+
+
+def _kind(value: Any) -> str:
+    """`an asyncio.Task`: the type with its public module (`_asyncio` is where `asyncio.Task` lives)."""
+    kind = type(value)
+    module = kind.__module__.lstrip("_")
+    name = kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
+    return f"an {name}" if name[:1].lower() in "aeiou" else f"a {name}"
+
+
+def _generator_wrapper(fn: Callable[..., Any], guard_for: GuardFor, done: Finish) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
+        g = guard_for(args, kwargs)
+        if g is None:
+            return (yield from fn(*args, **kwargs))
+        body = fn(*args, **kwargs)
+        try:
+            with g:
+                return (yield from _drive(g, body, body))
+        except MutationError as exc:
+            _frames.drop_internal_frames(exc)
+            raise
+        finally:
+            done(g)
+    return call
+
+
+def _coroutine_wrapper(fn: Callable[..., Any], guard_for: GuardFor, done: Finish) -> Callable[..., Any]:
+    async def call(*args: Any, **kwargs: Any) -> Any:
+        g = guard_for(args, kwargs)
+        body = fn(*args, **kwargs)
+        steps = _steps_of(body)
+        if g is None or steps is None:
+            return await body  # not guarded, or not a coroutine: `await` says what it is
+        try:
+            with g:
+                return await _drive(g, steps, body)
+        except MutationError as exc:
+            _frames.drop_internal_frames(exc)
+            raise
+        finally:
+            done(g)
+    return call
+
+
+def _async_generator_wrapper(fn: Callable[..., Any], guard_for: GuardFor, done: Finish) -> Callable[..., Any]:
+    async def call(*args: Any, **kwargs: Any) -> Any:
+        g = guard_for(args, kwargs)
+        guard: Any = g if g is not None else _UNGUARDED
+        body = fn(*args, **kwargs)
+        try:
+            with guard:
+                value, error = None, None
+                while True:
+                    step = body.asend(value) if error is None else body.athrow(error)
+                    try:
+                        item = await _drive(guard, step, body)
+                    except StopAsyncIteration:
+                        return
+                    error = guard.pause(_suspended_at(body))  # at its `yield`
+                    if error is None:
+                        try:
+                            value = yield item
+                        except GeneratorExit:
+                            guard.resume()
+                            await _drive(guard, body.aclose(), body)
+                            raise
+                        except BaseException as exc:  # noqa: BLE001 - thrown in by the consumer: passed on
+                            value, error = None, exc
+                    guard.resume()
+        except MutationError as exc:
+            _frames.drop_internal_frames(exc)
+            raise
+        finally:
+            if g is not None:
+                done(g)
+    return call
+
+
+@types.coroutine
+def _drive(g: Any, steps: Any, body: Any) -> Generator[Any, Any, Any]:
+    """`yield from steps` with `g` paused while `body` is suspended; returns what `steps` returns.
+
+    `steps` is a generator, a coroutine's `__await__()` or an async generator's `asend()`
+    step; `body` is the generator, coroutine or async generator whose frame says where it
+    is suspended. A change found at a suspension under action="raise" is raised in the
+    body, at the line where it is suspended. `g` is active when this returns or raises.
+    """
+    value, error = None, None
+    while True:
+        try:
+            out = steps.send(value) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value
+        error = g.pause(_suspended_at(body))
+        if error is None:
+            try:
+                value = yield out
+            except GeneratorExit:
+                g.resume()
+                steps.close()
+                raise
+            except BaseException as exc:  # noqa: BLE001 - thrown in by the caller: passed on
+                value, error = None, exc
+        g.resume()
+
+
+def _suspended_at(body: Any) -> Optional[_frames.Site]:
+    """The line where a generator, coroutine or async generator is suspended, if it is."""
+    frame = getattr(body, "gi_frame", None) or getattr(body, "cr_frame", None) or getattr(body, "ag_frame", None)
+    return _frames.site_of(frame) if frame is not None else None
+
+
+class _Unguarded:
+    """Stands in for a guard where a call runs unguarded but its wrapper must still step it."""
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def pause(self, site: Optional[_frames.Site] = None) -> None:
+        return None
+
+    def resume(self) -> None:
+        pass
+
+
+_UNGUARDED = _Unguarded()
+
+
+def outside_dynamo(fn: F) -> F:
+    """`fn`, never traced by Dynamo, and run eagerly, with what it calls, from `torch.compile`d code.
+
+    Entering and leaving a guard (weak references, frames, a dispatch mode) must be
+    invisible to Dynamo: traced, it crashes. Marked in place, at no cost per call and with
+    no frame of torch's between the caller and the body: `_torchdynamo_disable` makes
+    Dynamo's tracer break the graph at the call instead of inlining it, and the code
+    object is marked for the frame evaluator to skip, recursively (`_hooks.outside_dynamo`).
+    Imports torch: call it only where torch code is being wrapped.
+    """
+    from kvguard._hooks import outside_dynamo as skip_code
+
+    marked: F = skip_code(fn)
+    try:
+        setattr(marked, "_torchdynamo_disable", True)
+        setattr(marked, "_torchdynamo_disable_msg", "kvguard enters and leaves its guard eagerly")
+    except (AttributeError, TypeError):  # noqa: BLE001 - an object without attributes: marked code only
+        pass
+    return marked
+
