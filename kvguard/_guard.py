@@ -11,7 +11,7 @@ import threading
 import warnings
 from typing import Any, Callable, Collection, Literal, Optional, TypeVar
 
-from kvguard import _frames, _ranks, _render, _reportfile
+from kvguard import _frames, _handlers, _ranks, _render, _reportfile
 from kvguard._allow import Allowlist
 from kvguard._allow import boundaries as allow_boundaries
 from kvguard._config import DEFAULT_MAX_EVENTS, parse_level
@@ -149,10 +149,12 @@ class Guard:
             return False  # an exception already leaving the block is never masked
         if unread is not None:
             # An `except RuntimeError:` around the write swallowed the error unread: the
-            # write was skipped and the code went on as if it had happened.
+            # write was skipped and the code went on as if it had happened. (A handler that
+            # names MutationError marked it seen when it was raised: see `_handlers`.)
             raise MutationError(unread[0] + "\n" + _render.detail_line(
-                "caught", "this MutationError was caught inside the guard and never read (an except "
-                "clause around the write?); the write did not happen"), unread[1], self.report)
+                "caught", "this MutationError was caught inside the guard and never read (by a handler "
+                "for a broader class: except RuntimeError/Exception?); the write did not happen. A handler "
+                "that expects it names kvguard.MutationError"), unread[1], self.report)
         if unobserved:
             # Too late to stop the change, but a raise guard must not end quietly.
             raise MutationError(_render.format_event(unobserved[0]), unobserved[0], self.report)
@@ -269,6 +271,8 @@ class Guard:
         STATE.publish(event, self)
         if self.action == "raise" and not at_exit:
             error = MutationError(_render.format_event(event), event, self.report)
+            if _handlers.caught_by_its_own_class(error, sys._getframe(1)):
+                error.seen_cell[0] = True  # `except MutationError:`, `pytest.raises(MutationError)`: expected
             self._raised = [r for r in self._raised if not r[0][0]] + [(error.seen_cell, error.args[0], event)]
             raise error
         if self.action == "warn" and STATE.first_sighting(event):  # later writes at the site: counted
