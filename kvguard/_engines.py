@@ -5,8 +5,8 @@
 - `kernels`: the same hook as Python kernels (`_kernels`): no compiler needed, every
   writing op becomes a Python call.
 - `mode`: a `TorchDispatchMode` (`_mode`): every op becomes a Python call; the only
-  engine on torch < 2.9 (no computed-kernel API), and the one that sees writes to
-  inference tensors inside `torch.inference_mode()`.
+  engine on torch < 2.9 (no computed-kernel API), and the one that sees inference-mode
+  writes from threads other than the guard's (the write hooks see its own thread's).
 
 The first available one is used; `KVGUARD_ENGINE=compiled|kernels|mode` asks for one.
 An engine that cannot be had is one line on stderr, then the next one: never a crash.

@@ -20,7 +20,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from kvguard import _frames, _records, _torch
-from kvguard._judge import After, WriteJudge
+from kvguard._judge import After, WriteJudge, judge_all
+from kvguard._mode import thread_judges
 from kvguard._protect import collector_paused
 
 
@@ -64,6 +65,9 @@ class HookEngine:
         self.backend = backend
         self.judges: list[WriteJudge] = []  # in entry order: the innermost guard judges first
         self._lock = threading.RLock()
+        self._threads: dict[int, int] = {}  # id(judge) -> the thread that entered its guard
+        # id(judge) -> the thread whose inference-mode writes it made the backend watch
+        self._inference: dict[int, int] = {}
         # Called from inside ops, also while Dynamo traces a compiled function: never traced.
         on_write, look = self._on_write, self._look
 
@@ -78,12 +82,18 @@ class HookEngine:
 
     def attach(self, judge: WriteJudge) -> HookAttachment:
         with self._lock:
+            # Ops defined since the hook was installed (a custom op): hooked as themselves.
+            self.backend.hook_new()
             self.judges.append(judge)
-            judge.protected.on_index = self._push
+            self._threads[id(judge)] = threading.get_ident()
+
+            def on_index(added: Optional[list[Any]]) -> None:
+                self._push(added, judge)
+            judge.protected.on_index = on_index
             try:
                 if len(self.judges) == 1:
                     self.backend.set_callback(self._on_write)
-                self._push()
+                self._push(None, judge)
                 self.backend.set_enabled(True)
             except BaseException:
                 self.detach(judge)
@@ -95,17 +105,43 @@ class HookEngine:
             if judge in self.judges:
                 self.judges.remove(judge)
             judge.protected.on_index = None
+            self._unwatch_inference(judge)
+            self._threads.pop(id(judge), None)
             if not self.judges:
                 self.backend.set_enabled(False)
                 self.backend.set_callback(None)
                 self.backend.set_watch(None)
             self._push()
 
-    def _push(self, added: Optional[list[Any]] = None) -> None:
-        """Tell the backend what the guards protect: all of it, or only the entries `added`.
+    def _watch_inference(self, judge: WriteJudge, added: Optional[list[Any]]) -> None:
+        """Inference tensors are written inside `torch.inference_mode()` past ADInplaceOrView:
+        while `judge` protects one, its guard's thread has the backend judge those writes too.
+
+        Only then: the other threads, and this one while no inference tensor is protected,
+        pay nothing for it. A placement seen from another thread cannot switch it on for
+        the guard's thread (thread-local): a boundary check sees that write.
+        """
+        thread = self._threads.get(id(judge))
+        if id(judge) in self._inference or thread != threading.get_ident():
+            return
+        holds = judge.protected.holds_inference() if added is None else (
+            _records.holds_inference(e.record for e in added))
+        if holds and self.backend.watch_inference(True):
+            self._inference[id(judge)] = thread
+
+    def _unwatch_inference(self, judge: WriteJudge) -> None:
+        thread = self._inference.pop(id(judge), None)
+        if thread is not None and thread == threading.get_ident():  # a guard left from another
+            self.backend.watch_inference(False)  # thread leaves its own watching on (costs a call per write)
+
+    def _push(self, added: Optional[list[Any]] = None, judge: Optional[WriteJudge] = None) -> None:
+        """Tell the backend what the guards protect: all of it, or only the entries `added`
+        (by `judge`'s set).
 
         Then the watch: the containers to compare before each write, where placements show.
         """
+        if judge is not None and (added is None or added):
+            self._watch_inference(judge, added)
         with self._lock, collector_paused():  # lists as long as the protected set: no collection midway
             judges, backend = self.judges, self.backend
             if added is None:  # all of it, in one publication (the backend sorts and merges)
@@ -136,8 +172,9 @@ class HookEngine:
             # No Python caller: torch's own thread doing an op's work (a collective's copy at
             # its `wait()`); the op was judged where it was called, a boundary check sees the rest.
             return None
-        afters = [a for judge in reversed(list(self.judges))
-                  if (a := judge.begin(func, facts, written)) is not None]
+        # Innermost guard first; then the dispatch modes on this thread, which the op
+        # reaches after ADInplaceOrView (asked only when a guard here stops it).
+        afters = judge_all(reversed(list(self.judges)), func, facts, written, more=thread_judges)
         return _Afters(afters) if afters else None
 
     def writes(self) -> int:
@@ -160,7 +197,7 @@ class _Afters:
 
     __slots__ = ("afters",)
 
-    def __init__(self, afters: list[After]) -> None:
+    def __init__(self, afters: Sequence[After]) -> None:
         self.afters = afters
 
     def __call__(self, failed: bool = False) -> None:

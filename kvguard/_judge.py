@@ -8,11 +8,13 @@ leaves the data intact.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+import threading
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
 from kvguard import _diff, _frames, _torch
+from kvguard._errors import MutationError
 from kvguard._events import MutationEvent
 from kvguard._protect import Entry, ProtectedSet
 
@@ -21,11 +23,71 @@ UNOBSERVED_DIFF = ("values changed with no dispatched write: a numpy view, a raw
                    "a compiled kernel?")
 DRIFT_DIFF = ("values changed before this line's write with no dispatched write: a numpy view, a raw pointer, "
               "another thread or a compiled kernel?")
+META_VALUES = "(a meta tensor holds no data)"
+META_DIFF = "values not compared: a meta tensor holds no data (the write covers some of its elements)"
 _COPY = torch.ops.aten.copy_.default
 # What a write's report compares against: the values it could change, copied just before
 # it (None when they could not be read), and which flat index ranges those are (None: all).
 _Copy = tuple[Optional[torch.Tensor], Optional[list[tuple[int, int]]]]
-After = Callable[..., None]  # after(failed=False)
+_local = threading.local()  # .stopped: a guard stopped the op being dispatched on this thread
+
+
+class PendingWrite:
+    """What a judge does once the op it judged has run: report what landed.
+
+    Called as `after()` once the write is done, `after(True)` when the op raised; when it
+    raised because another guard stopped it (`judge_all`), every entry this judge found is
+    reported as a blocked write: every guard whose memory a write touches records it.
+    """
+
+    __slots__ = ("_done", "_stopped")
+
+    def __init__(self, done: Callable[[bool], None], stopped: Callable[[], None]) -> None:
+        self._done, self._stopped = done, stopped
+
+    def __call__(self, failed: bool = False) -> None:
+        if failed and getattr(_local, "stopped", False):
+            self._stopped()
+        else:
+            self._done(failed)
+
+    def stopped(self) -> None:
+        """Another guard raised before the write: record it as blocked (nothing landed)."""
+        self._stopped()
+
+
+After = Callable[..., None]  # after(failed=False): a PendingWrite, or several in a row
+
+
+def judge_all(judges: Iterable[WriteJudge], func: Any, facts: _torch.OpFacts, written: Sequence[torch.Tensor],
+              args: Sequence[Any] = (), more: Callable[[], Iterable[WriteJudge]] = tuple) -> list[PendingWrite]:
+    """Every judge's verdict on one op, in the order the op reaches them (`more()`: those
+    it would reach afterwards, asked only when one stops it).
+
+    When a guard stops the write, the others still record it (as blocked), then its
+    `MutationError` is raised: a write touching several guards' memory is in each report.
+    """
+    _local.stopped = False
+    pending: list[PendingWrite] = []
+    stop: Optional[MutationError] = None
+    for judge in judges:
+        try:
+            found = judge.begin(func, facts, written, args, stop=stop is None)
+        except MutationError as exc:
+            stop = exc
+            continue
+        if found is not None:
+            pending.append(found)
+    if stop is None:
+        return pending
+    for judge in more():
+        found = judge.begin(func, facts, written, args, stop=False)
+        if found is not None:
+            pending.append(found)
+    for found in pending:
+        found.stopped()
+    _local.stopped = True  # the judges of engines that saw the op before these report it blocked too
+    raise stop
 
 
 class WriteJudge:
@@ -37,11 +99,13 @@ class WriteJudge:
         self.block = block
 
     def begin(self, func: Any, facts: _torch.OpFacts, written: Sequence[torch.Tensor],
-              args: Sequence[Any] = ()) -> Optional[After]:
+              args: Sequence[Any] = (), stop: bool = True) -> Optional[PendingWrite]:
         """Judge an op about to write `written`; returns what to run once it has, if anything.
 
-        Raises (through the guard's callback) to stop the write. `args` are the op's
-        positional arguments where the engine has them (a self-copy is no write).
+        Raises (through the guard's callback) to stop the write; with `stop` false, another
+        guard stops it: a blocking guard records its blocked events and raises nothing.
+        `args` are the op's positional arguments where the engine has them (a self-copy is
+        no write). Engines call it through `judge_all`.
         """
         protected = self.protected
         hit = protected.written_entries(written, facts.kind, facts.resizes)
@@ -54,7 +118,9 @@ class WriteJudge:
                                            before="(a digest)"), True)  # too late to stop: never raised
         if self.block:
             for entry in hit:
-                self.on_event(self._event(func, facts.kind, entry, site, blocked=True))
+                self.on_event(self._event(func, facts.kind, entry, site, blocked=True), not stop)
+            if not stop:
+                return None
             # The callback chose not to stop the write: fall through and report it.
         # A copy of what this write can change in each entry, taken just before it and
         # dropped once the event is built: memory in proportion to the write, held briefly.
@@ -78,7 +144,12 @@ class WriteJudge:
                     protected.relayout(entry)
                 self.on_event(self._event(func, facts.kind, entry, site, blocked=False,
                                           before_meta=before_meta.get(id(entry)), copy=copies.pop(id(entry), None)))
-        return after
+
+        def stopped() -> None:
+            copies.clear()  # nothing landed
+            for entry in hit:
+                self.on_event(self._event(func, facts.kind, entry, site, blocked=True), True)
+        return PendingWrite(after, stopped)
 
     def on_swap(self, t1: torch.Tensor, t2: torch.Tensor) -> Callable[[bool], None]:
         """`torch.utils.swap_tensors` on a protected tensor: report it like `set_` (if it swapped)."""
@@ -113,9 +184,12 @@ class WriteJudge:
         tensor = self.protected.tensor_of(entry)
         described = _describe(tensor)
         if blocked:
-            before = _values(tensor)
+            before = META_VALUES if _is_meta(tensor) else _values(tensor)
             after = None
             diff = "not applied: raised before the write, the data is intact"
+        elif kind == "write" and _is_meta(tensor):
+            before = after = META_VALUES
+            diff = META_DIFF
         elif kind == "write":
             # Show the values where this write starts changing them, not just the first few.
             values, ranges = copy if copy is not None else (None, None)
@@ -150,6 +224,13 @@ def unobserved_event(entry: Entry, tensor: Optional[torch.Tensor], site: _frames
         after=after if after is not None else _values(tensor), diff=diff,
         aliases=tuple(entry.aliases), detached=entry.detached,
     )
+
+
+def _is_meta(tensor: Optional[torch.Tensor]) -> bool:
+    try:
+        return tensor is not None and bool(tensor.is_meta)
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _describe(tensor: Optional[torch.Tensor]) -> str:

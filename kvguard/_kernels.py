@@ -20,6 +20,11 @@ from kvguard._hooks import outside_dynamo, overload_of
 
 _KEY = "ADInplaceOrView"
 _BELOW = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.ADInplaceOrView)
+# The key the compiled hook's inference-mode kernels use (`_write_hook.cpp`, kInferenceKey):
+# torch's Python enum does not name it; it sits just above FuncTorchGradWrapper.
+_INFERENCE_KEY_NAME = "DeferredInit"
+_INFERENCE_KEY = torch._C.DispatchKey(torch._C.DispatchKey.FuncTorchGradWrapper.value + 1)
+_BELOW_INFERENCE = torch._C._dispatch_keyset_full_after(_INFERENCE_KEY)
 
 
 class _State:
@@ -36,6 +41,9 @@ _state = _State()
 _local = threading.local()
 _library: Optional[dict[str, Any]] = None  # namespace -> its torch.library.Library
 _hooked: list[str] = []
+# The inference-mode kernels, registered at the first guard of an inference tensor:
+# None (not yet), False (the key is someone else's), or the libraries holding them.
+_inference: Any = None
 
 
 def install() -> int:
@@ -66,12 +74,64 @@ def install() -> int:
 
 def uninstall() -> None:
     """Remove every kernel: the originals are back."""
-    global _library
+    global _library, _inference
     if _library is not None:
         for library in _library.values():
             library._destroy()
         _library = None
         _hooked.clear()
+    if _inference:
+        for library in _inference.values():
+            library._destroy()
+    _inference = None
+
+
+def hook_new() -> int:
+    """Ops defined after install are not hooked here (enumerating them costs milliseconds
+    per guard); the compiled hook hooks them. Their inner aten ops are seen."""
+    return 0
+
+
+def watch_inference(on: bool) -> bool:
+    """As `_write_hook.watch_inference`: this thread's writes inside inference mode are
+    judged while one of its guards protects an inference tensor. Whether that can be done."""
+    if not _install_inference():
+        return False
+    count = getattr(_local, "inference_watchers", 0)
+    if on:
+        if count == 0 and not torch._C._dispatch_tls_is_dispatch_key_included(_INFERENCE_KEY):
+            torch._C._dispatch_tls_set_dispatch_key_included(_INFERENCE_KEY, True)
+            _local.inference_included = True
+        _local.inference_watchers = count + 1
+    elif count > 0:
+        _local.inference_watchers = count - 1
+        if count == 1 and getattr(_local, "inference_included", False):
+            torch._C._dispatch_tls_set_dispatch_key_included(_INFERENCE_KEY, False)
+            _local.inference_included = False
+    return True
+
+
+def _install_inference() -> bool:
+    """Register the inference-mode kernels once (a fallthrough for every other op)."""
+    global _inference
+    if _inference is None:
+        if _library is None or torch._C._dispatch_has_backend_fallback(_INFERENCE_KEY):
+            _inference = False
+            return False
+        libraries: dict[str, Any] = {"_": torch.library.Library("_", "IMPL")}  # type: ignore[no-untyped-call]
+        libraries["_"].fallback(torch.library.fallthrough_kernel, dispatch_key=_INFERENCE_KEY_NAME)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for name in _hooked:
+                namespace = name.partition("::")[0]
+                try:
+                    if namespace not in libraries:
+                        libraries[namespace] = torch.library.Library(namespace, "IMPL")  # type: ignore[no-untyped-call]
+                    _register_inference(libraries[namespace], name, overload_of(name))
+                except Exception:  # noqa: BLE001 - left to the boundary check inside inference mode
+                    continue
+        _inference = libraries
+    return bool(_inference)
 
 
 def installed() -> bool:
@@ -173,35 +233,64 @@ def _register(library: Any, name: str, func: Any) -> None:
         return original.call_boxed(keyset, *_as_tensors(args, kwargs, tensor_params), **kwargs)
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        state = _state
-        if not state.enabled or getattr(_local, "depth", False):
+        if not _state.enabled or getattr(_local, "depth", False):
             return call_original(keyset, args, kwargs)
-        _local.depth = True
-        try:
-            state.writes += 1
-            watch = state.watch
-            if watch is not None:
-                watch()
-            after = None
-            callback = state.callback
-            if callback is not None:
-                written = _torch.written_tensors(facts, args, kwargs)
-                if any(map(_candidate, written)) and not (is_copy and _self_copy(args)):
-                    after = callback(name, tuple(written))
-            if after is None:
-                return call_original(keyset, args, kwargs)
-            try:
-                out = call_original(keyset, args, kwargs)
-            except BaseException:
-                after(True)  # torch refused the write, maybe after it landed: report what changed
-                raise
-            after()
-            return out
-        finally:
-            _local.depth = False
+        return _judged(name, facts, is_copy, keyset, args, kwargs, call_original)
 
     # Runs inside ops, also while Dynamo traces a compiled function: never traced itself.
     library.impl(name.partition("::")[2], outside_dynamo(kernel), _KEY, with_keyset=True)
+
+
+def _register_inference(library: Any, name: str, func: Any) -> None:
+    """The kernel on the inference key: judges inference-mode writes to inference tensors
+    (every other write reaches ADInplaceOrView), then runs what is below the key."""
+    facts = _torch.op_facts(func)
+    is_copy = name == "aten::copy_"
+    tensor_params = [(i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
+                     if str(a.type) == "Tensor"]
+
+    def call_below(keyset: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return func.redispatch(keyset & _BELOW_INFERENCE, *_as_tensors(args, kwargs, tensor_params), **kwargs)
+
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        if (not _state.enabled or getattr(_local, "depth", False) or not torch.is_inference_mode_enabled()
+                or not any(t.is_inference() for t in _torch.written_tensors(facts, args, kwargs))):
+            return call_below(keyset, args, kwargs)
+        return _judged(name, facts, is_copy, keyset, args, kwargs, call_below)
+
+    library.impl(name.partition("::")[2], outside_dynamo(kernel), _INFERENCE_KEY_NAME, with_keyset=True)
+
+
+def _judged(name: str, facts: Any, is_copy: bool, keyset: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+            call: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]) -> Any:
+    """Run an outermost writing op, judged: the callback on a possible hit, before and after `call`."""
+    state = _state
+    _local.depth = True
+    try:
+        state.writes += 1
+        watch = state.watch
+        if watch is not None:
+            watch()
+        after = None
+        callback = state.callback
+        if callback is not None:
+            written = _torch.written_tensors(facts, args, kwargs)
+            if any(map(_candidate, written)) and not (is_copy and _self_copy(args)):
+                after = callback(name, tuple(written))
+        if after is None:
+            return call(keyset, args, kwargs)
+        try:
+            out = call(keyset, args, kwargs)
+        except BaseException:
+            after(True)  # torch refused the write, maybe after it landed: report what changed
+            raise
+        after()
+        return out
+    finally:
+        _local.depth = False
+
+
+_judged = outside_dynamo(_judged)
 
 
 def _as_tensors(args: tuple[Any, ...], kwargs: dict[str, Any], params: list[tuple[int, str, bool]]) -> tuple[Any, ...]:

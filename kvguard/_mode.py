@@ -1,8 +1,9 @@
 """The `mode` engine: a `TorchDispatchMode` that sees every op on its thread.
 
 The slowest engine (every op, reads included, becomes a Python call) and the one that
-sees most: inference tensors written inside `torch.inference_mode()`, and inductor's
-compiled writes, which run eagerly under a mode. Used where the write hook cannot be
+sees most on its thread: every inference-mode write (the write hooks see those once the
+protected tensor is known to them), and inductor's compiled writes, which run eagerly
+under a mode. Used where the write hook cannot be
 installed (torch < 2.9) or when `KVGUARD_ENGINE=mode` asks for it.
 """
 
@@ -11,10 +12,10 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from kvguard import _torch
-from kvguard._judge import WriteJudge
+from kvguard._judge import WriteJudge, judge_all
 
 _facts_cache = _torch._facts_cache
 _op_facts = _torch.op_facts
@@ -43,9 +44,11 @@ class MutationGuardMode(TorchDispatchMode):
             written = (args[0],)
         else:
             written = _torch.written_tensors(facts, args, kwargs)
-        after = self.judge.begin(func, facts, written, args)
-        if after is None:
+        # Modes below this one see the op next: asked only if this guard stops it.
+        pending = judge_all((self.judge,), func, facts, written, args, more=thread_judges)
+        if not pending:
             return func(*args, **kwargs)
+        after = pending[0]
         try:
             out = func(*args, **kwargs)
         except BaseException:
@@ -53,6 +56,12 @@ class MutationGuardMode(TorchDispatchMode):
             raise
         after()
         return out
+
+
+def thread_judges() -> list[WriteJudge]:
+    """The judges of the guards' dispatch modes on this thread, in the order ops reach them
+    (inside a mode's `__torch_dispatch__`: the modes below it)."""
+    return [m.judge for m in reversed(_get_current_dispatch_mode_stack()) if isinstance(m, MutationGuardMode)]
 
 
 class ModeAttachment:

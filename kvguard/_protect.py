@@ -228,6 +228,10 @@ class ProtectedSet:
         order and overlapping where the tensors do: the hook sorts and merges them."""
         return _records.intervals(e.record for e in self._entries.values())
 
+    def holds_inference(self) -> bool:
+        """Whether an inference tensor is protected (its writes inside inference mode need their own hook)."""
+        return _records.holds_inference(e.record for e in self._entries.values())
+
     def identities(self) -> list[int]:
         """The TensorImpl addresses of the protected tensors: a write to one of them is looked at
         wherever its memory is now (`w.data = x` re-points it without any op)."""

@@ -19,13 +19,15 @@ import torch
 
 from kvguard import _digest, _torch
 
-# A record: (layout, impl, device, start, stop, dense, digest). `layout` changes when the
+# A record: (layout, impl, device, start, stop, dense, digest, inference). `layout` changes when the
 # tensor is re-pointed or reshaped; `impl` is its TensorImpl address (`_cdata`, None if it
 # has none). From C++: `device` is a torch.device and [start, stop) the bytes its elements
 # span ((0, 0): none), `dense` whether they tile it. From Python: `device` is None and
 # `start` holds the spans (`_torch.spans`). `digest` is its values' digest (None: none).
+# `inference`: an inference tensor, whose writes inside `torch.inference_mode()` only the
+# write hooks' inference-mode kernels see (`_hooks`).
 Record = tuple[Any, ...]
-LAYOUT, IMPL, DEVICE, START, STOP, DENSE, DIGEST = range(7)
+LAYOUT, IMPL, DEVICE, START, STOP, DENSE, DIGEST, INFERENCE = range(8)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -50,14 +52,14 @@ def describe(tensors: Sequence[torch.Tensor], digest: bool, compiled: Optional[M
         if record is None:
             tensor = tensors[i]
             found[i] = (_torch.storage_fingerprint(tensor), _impl(tensor), None, _torch.spans(tensor), None,
-                        None, None)
+                        None, None, _is_inference(tensor))
             if digest:
                 pending.append(i)
         elif record[DIGEST] is NotImplemented:
             pending.append(i)
     if pending:
         for i, value in zip(pending, _digest.digests([tensors[i] for i in pending])):
-            found[i] = found[i][:DIGEST] + (value,)
+            found[i] = found[i][:DIGEST] + (value,) + found[i][DIGEST + 1:]
     return found
 
 
@@ -75,15 +77,23 @@ def has_memory(record: Record) -> bool:
 
 
 def intervals(records: Iterable[Record]) -> list[tuple[int, int]]:
-    """The `[start, stop)` byte ranges of the records' tensors (all devices together), unsorted."""
+    """The `[start, stop)` byte ranges of the records' tensors (all devices together), unsorted.
+
+    Only real memory: a meta tensor's spans are offsets in its storage (`_torch.spans`).
+    """
     found = []
     for record in records:
         if record[DEVICE] is not None:
             if record[STOP]:
                 found.append((record[START], record[STOP]))
         else:
-            found += [(span.start, span.stop) for span in record[START]]
+            found += [(span.start, span.stop) for span in record[START] if isinstance(span.device, torch.device)]
     return found
+
+
+def holds_inference(records: Iterable[Record]) -> bool:
+    """Whether one of the records' tensors is an inference tensor."""
+    return any(record[INFERENCE] for record in records)
 
 
 def layout_text(record: Record) -> str:
@@ -104,6 +114,13 @@ def _fingerprint_text(fp: Any) -> str:
     if isinstance(fp, tuple) and len(fp) >= 5:
         return f"data_ptr {fp[1]:#x}, shape {tuple(fp[2])}, stride {fp[3]}, offset {fp[4]}"
     return repr(fp[1:]) if isinstance(fp, tuple) and len(fp) > 1 else "unknown"
+
+
+def _is_inference(tensor: torch.Tensor) -> bool:
+    try:
+        return bool(tensor.is_inference())
+    except Exception:  # noqa: BLE001 - a subclass that refuses it: none of its writes bypass the hook
+        return False
 
 
 def _impl(tensor: torch.Tensor) -> Optional[int]:

@@ -220,8 +220,10 @@ def spans(t: torch.Tensor) -> list[Span]:
     """Byte spans of a tensor's elements; several for sparse tensors and wrapper subclasses.
 
     On the hot path (every write op), so it reads as little metadata as it can.
-    Raises nothing: a tensor whose memory cannot be read (meta, functional wrappers,
-    unusual subclasses) has no spans and is matched by identity instead.
+    Raises nothing: a tensor whose memory cannot be read (functional wrappers, unusual
+    subclasses) has no spans and is matched by identity instead. A meta tensor has no
+    memory, but its views lay out the same elements of one storage: its span is the bytes
+    they would take in that storage (`meta_span`), so `m[0].add_(1)` writes `m`.
     """
     try:
         if type(t) not in _PLAIN:
@@ -230,8 +232,10 @@ def spans(t: torch.Tensor) -> list[Span]:
                 return [s for part in parts for s in spans(part)]
         if t.layout != _STRIDED:
             return [s for part in sparse_parts(t) for s in spans(part)]
+        if t.is_meta:
+            return meta_span(t)
         start = t.data_ptr()
-        if start == 0:  # meta tensors, and some empty ones
+        if start == 0:  # some empty tensors
             return []
         if t.is_contiguous():
             nbytes = t.nbytes
@@ -242,6 +246,30 @@ def spans(t: torch.Tensor) -> list[Span]:
         reach = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
         return [Span(t.device, start, start + (reach + 1) * t.element_size(), None)]
     except Exception:  # noqa: BLE001 - a guard must never crash on an unusual tensor
+        return []
+
+
+class MetaStorage(NamedTuple):
+    """The "device" of a meta tensor's span: its storage, where offsets stand for addresses."""
+
+    storage: int  # the StorageImpl's address: views of one meta tensor share it
+
+
+def meta_span(t: torch.Tensor) -> list[Span]:
+    """A meta tensor's elements as a span of byte offsets into its storage ([] for none).
+
+    (A meta tensor's `data_ptr()` is that offset too, which `runs` relies on.)
+    """
+    try:
+        if t.numel() == 0:
+            return []
+        size = t.element_size()
+        start = int(t.storage_offset()) * size
+        reach = int(sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
+        contiguous = t.is_contiguous()
+        return [Span(MetaStorage(t.untyped_storage()._cdata), start, start + (reach + 1) * size,
+                     True if contiguous else None)]
+    except Exception:  # noqa: BLE001 - matched by identity instead
         return []
 
 
@@ -293,7 +321,7 @@ def runs(t: torch.Tensor) -> Runs:
     while i < len(dims) and dims[i][0] <= length:  # the next copy starts inside or right after
         length += (dims[i][1] - 1) * dims[i][0]
         i += 1
-    return Runs(t.data_ptr(), length, tuple((n, s) for s, n in dims[i:]))
+    return Runs(t.data_ptr(), length, tuple((n, s) for s, n in dims[i:]))  # a meta tensor's: its offset
 
 
 # Nodes the exact overlap search may visit before counting runs out window by window. Views

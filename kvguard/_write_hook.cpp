@@ -14,6 +14,7 @@
 //
 // Python API (all called with the GIL; the setters publish atomically to writing threads):
 //   install(undeclared=None, c10d_names=None) -> int, uninstall(), installed() -> bool,
+//   hook_new() -> int, watch_inference(bool) -> bool,
 //   hooked_ops() -> list[str] ("ns::name.overload", "default" for the unnamed overload)
 //   set_enabled(bool), enabled() -> bool, set_send_all(bool), writes() -> int
 //   set_intervals(list[tuple[int, int]]), set_identities(list[int])
@@ -31,8 +32,8 @@
 //     write.
 //
 // Caveats (see also the notes in kvguard/_build.py):
-//  - Ops registered after install() are not hooked; call uninstall() + install() to pick
-//    them up.
+//  - Ops registered after install() are hooked by hook_new() (kvguard calls it at a guard's
+//    entry; a dispatcher listener counts registrations, so it is free while there are none).
 //  - install() and uninstall() must be called from one thread while no other thread runs
 //    torch ops: dispatcher registration is not thread-safe against concurrent dispatch.
 //    Toggle with set_enabled() instead (an atomic flag read once per writing op).
@@ -40,7 +41,9 @@
 //    key was installed before this one and is removed while this one stays, the ops it
 //    covered raise a RuntimeError saying so (torch invalidates the captured kernel):
 //    remove hooks in the reverse order of installing them (kvguard's engines keep one).
-//  - Inference tensors written inside torch.inference_mode() never reach the key.
+//  - Inference tensors written inside torch.inference_mode() never reach ADInplaceOrView:
+//    a second kernel per op on a spare key (kInferenceKey) judges them, on the threads that
+//    include that key while they guard an inference tensor (watch_inference).
 //  - The binary uses torch's unstable C++ API: it must be built for this torch version,
 //    this CPython version and this platform (kvguard/_build.py keys its cache on all three).
 //
@@ -51,6 +54,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DispatchKeySet.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/Exceptions.h>
@@ -64,6 +69,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -98,6 +104,33 @@ PyObject* g_watch_snapshots = nullptr;          // GIL-protected, owned; nullptr
 // after the dispatcher itself is gone.
 std::vector<std::unique_ptr<torch::Library>>* g_libraries = nullptr;
 std::vector<std::string>* g_hooked = nullptr;
+std::set<std::string>* g_seen = nullptr;  // every op name looked at by install() or hook_new()
+
+// Inference tensors written inside torch.inference_mode() never reach ADInplaceOrView
+// (inference mode drops it from the TLS include set, and inference tensors do not carry
+// it). A second kernel per writing op sits on a key nothing else in torch uses, which a
+// thread includes in its TLS only while it guards an inference tensor (watch_inference):
+// every other thread, and that one otherwise, never reaches it. The key has a
+// fallthrough fallback, so ops without our kernel skip it. If something else already
+// uses the key (a backend fallback exists), the kernels are not registered.
+constexpr c10::DispatchKey kInferenceKey = c10::DispatchKey::DeferredInit;
+bool g_inference_hooked = false;
+thread_local int t_inference_watchers = 0;
+thread_local bool t_inference_included = false;  // by watch_inference, not by someone else
+
+// Registrations since install(), counted by a dispatcher listener, so that hook_new() is
+// free while no op was defined (a torch.library.custom_op defined after the first guard).
+std::atomic<uint64_t> g_registrations{0};
+uint64_t g_registrations_seen = 0;  // with the GIL
+std::unique_ptr<c10::RegistrationHandleRAII>* g_listener = nullptr;
+
+class CountRegistrations final : public c10::OpRegistrationListener {
+ public:
+  void onOperatorRegistered(const c10::OperatorHandle& /*op*/) override {
+    g_registrations.fetch_add(1, std::memory_order_relaxed);
+  }
+  void onOperatorDeregistered(const c10::OperatorHandle& /*op*/) override {}
+};
 
 thread_local int t_depth = 0;
 
@@ -291,6 +324,16 @@ struct HookKernel final : public c10::OperatorKernel {
   size_t num_args = 0;
   bool is_copy = false;           // aten::copy_
   std::optional<c10::SafeKernelFunction> original;  // none: redispatch past the key
+  c10::DispatchKey key = c10::DispatchKey::ADInplaceOrView;
+  bool inference_only = false;    // on kInferenceKey: judges only inference-mode writes to inference tensors
+  // Hooked by hook_new() after install(): the op may be deregistered and defined again
+  // (a scoped torch.library), leaving this kernel under a new schema.
+  bool late = false;
+
+  void redispatch_past(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                       torch::jit::Stack* stack) const {
+    op.redispatchBoxed(ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, key), stack);
+  }
 
   void call_original(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
                      torch::jit::Stack* stack) const {
@@ -301,17 +344,27 @@ struct HookKernel final : public c10::OperatorKernel {
         // Thrown before the kernel runs when the kernel that was under ours at install()
         // has since been deregistered (another hook on this key, removed first).
         if (e.msg().rfind("SafeKernelFunction has been invalidated", 0) != 0) throw;
+        if (late) {  // the op it belonged to was deregistered: this is a new op of that name
+          redispatch_past(op, ks, stack);
+          return;
+        }
         TORCH_CHECK(false, "kvguard write hook: the ADInplaceOrView kernel that was under "
                     "kvguard's for ", name, " was removed after kvguard._write_hook.install(); "
                     "remove hooks on this key in the reverse order of installing them, or call "
                     "uninstall() and install() again");
       }
     } else {
-      op.redispatchBoxed(
-          ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER,
-                                   c10::DispatchKey::ADInplaceOrView),
-          stack);
+      redispatch_past(op, ks, stack);
     }
+  }
+
+  // Whether this call is one the kernel on kInferenceKey judges: inside inference mode,
+  // writing an inference tensor (every other write reaches ADInplaceOrView).
+  bool inference_write(const torch::jit::Stack& stack, size_t base) const {
+    if (!c10::InferenceMode::is_enabled()) return false;
+    bool found = false;
+    for_each_written(stack, base, [&](const at::Tensor& t) { found = found || t.is_inference(); });
+    return found;
   }
 
   // Calls f(tensor) for every tensor this call writes.
@@ -329,6 +382,14 @@ struct HookKernel final : public c10::OperatorKernel {
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
                   torch::jit::Stack* stack) {
     if (!g_enabled.load(std::memory_order_relaxed) || t_depth > 0) {
+      call_original(op, ks, stack);
+      return;
+    }
+    if (late && op.schema().arguments().size() != num_args) {  // another op of the same name
+      redispatch_past(op, ks, stack);
+      return;
+    }
+    if (inference_only && !inference_write(*stack, stack->size() - num_args)) {
       call_original(op, ks, stack);
       return;
     }
@@ -558,6 +619,125 @@ bool read_extra_writes(PyObject* undeclared, PyObject* c10d_names, ExtraWrites* 
   return ok;
 }
 
+ExtraWrites* g_extra = nullptr;  // what install() read, for hook_new()
+
+// The kernel for one op, or nullptr when its schema (and kvguard's tables) write nothing.
+std::unique_ptr<HookKernel> make_kernel(const c10::OperatorHandle& op, const c10::OperatorName& op_name,
+                                        const ExtraWrites& extra) {
+  const auto ns = op_name.getNamespace();
+  const c10::FunctionSchema& schema = op.schema();
+  auto kernel = std::make_unique<HookKernel>();
+  const auto& arguments = schema.arguments();
+  auto position = [&](const std::string& param) -> int {
+    for (size_t i = 0; i < arguments.size(); ++i) {
+      if (arguments[i].name() == param) return (int)i;
+    }
+    return -1;
+  };
+  std::vector<bool> is_written(arguments.size(), false);
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    if (writes_argument(arguments[i].alias_info()) && holds_tensors(arguments[i].real_type())) {
+      kernel->written.push_back({i, -1});
+      is_written[i] = true;
+    }
+  }
+  // c10d's in-place collectives declare no writes: their output parameters, by name.
+  if (kernel->written.empty() && *ns == "c10d" && !op_name.name.empty() &&
+      op_name.name.back() == '_') {
+    for (size_t i = 0; i < arguments.size(); ++i) {
+      if (std::find(extra.c10d_names.begin(), extra.c10d_names.end(), arguments[i].name()) !=
+              extra.c10d_names.end() && holds_tensors(arguments[i].real_type())) {
+        kernel->written.push_back({i, -1});
+        is_written[i] = true;
+      }
+    }
+  }
+  auto rule = extra.undeclared.find(
+      op_name.overload_name.empty() ? op_name.name : op_name.name + "." + op_name.overload_name);
+  if (rule != extra.undeclared.end()) {
+    // A renamed condition parameter leaves `when` -1: every call counts as writing.
+    const int when = rule->second.when.empty() ? -1 : position(rule->second.when);
+    for (const std::string& param : rule->second.names) {
+      const int i = position(param);
+      if (i >= 0 && !is_written[(size_t)i] && holds_tensors(arguments[(size_t)i].real_type())) {
+        kernel->written.push_back({(size_t)i, when});
+        is_written[(size_t)i] = true;
+      }
+    }
+    std::sort(kernel->written.begin(), kernel->written.end(),
+              [](const WrittenArg& a, const WrittenArg& b) { return a.index < b.index; });
+  }
+  if (kernel->written.empty()) return nullptr;
+  kernel->num_args = arguments.size();
+  kernel->name = display_name(op_name);
+  kernel->is_copy = op_name.name == "aten::copy_" && op_name.overload_name.empty() &&
+      arguments.size() >= 2;
+  return kernel;
+}
+
+// Where hook_op registers: one torch::Library per namespace and key.
+struct Registrar {
+  std::vector<std::unique_ptr<torch::Library>>* libraries;
+  std::map<std::pair<std::string, int>, torch::Library*> by_namespace;
+
+  torch::Library* library(const std::string& ns, c10::DispatchKey key) {
+    torch::Library*& lib = by_namespace[{ns, (int)key}];
+    if (lib == nullptr) {
+      libraries->push_back(std::make_unique<torch::Library>(
+          torch::Library::IMPL, ns, key, __FILE__, __LINE__));
+      lib = libraries->back().get();
+    }
+    return lib;
+  }
+};
+
+// Hooks one op (its ADInplaceOrView kernel, and its inference-mode kernel where those are
+// registered); whether it writes and was hooked.
+bool hook_op(const c10::OperatorName& op_name, const ExtraWrites& extra, Registrar& registrar, bool late) {
+  std::optional<c10::OperatorHandle> op = c10::Dispatcher::singleton().findOp(op_name);
+  if (!op.has_value() || !op->hasSchema()) return false;
+  const auto ns = op_name.getNamespace();
+  if (!ns.has_value()) return false;
+  std::unique_ptr<HookKernel> kernel = make_kernel(*op, op_name, extra);
+  if (kernel == nullptr) return false;
+  kernel->late = late;
+  std::unique_ptr<HookKernel> inference;
+  if (g_inference_hooked && !op->hasKernelForDispatchKey(kInferenceKey)) {
+    inference = std::make_unique<HookKernel>();
+    inference->name = kernel->name;
+    inference->written = kernel->written;
+    inference->num_args = kernel->num_args;
+    inference->is_copy = kernel->is_copy;
+    inference->key = kInferenceKey;
+    inference->inference_only = true;
+    inference->late = late;
+  }
+  // The original must be taken before ours is registered: afterwards the computed kernel
+  // for the key is ours.
+  constexpr auto key = c10::DispatchKey::ADInplaceOrView;
+  if (op->hasKernelForDispatchKey(key) && !op->isKernelFallthroughKernel(key)) {
+    kernel->original.emplace(op->getComputedKernelForDispatchKey(key));
+  }
+  const std::string ns_name(*ns);
+  const std::string qualified =
+      op_name.overload_name.empty() ? op_name.name : op_name.name + "." + op_name.overload_name;
+  try {
+    registrar.library(ns_name, key)->impl(
+        qualified.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::move(kernel)));
+  } catch (const c10::Error&) {
+    return false;  // an op that refuses a kernel on this key stays unhooked
+  }
+  if (inference != nullptr) {
+    try {
+      registrar.library(ns_name, kInferenceKey)->impl(
+          qualified.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::move(inference)));
+    } catch (const c10::Error&) {
+      // left to the boundary check inside inference mode, as without this kernel
+    }
+  }
+  return true;
+}
+
 PyObject* py_install(PyObject*, PyObject* args, PyObject* kwargs) {
   KVGUARD_TRY
   static const char* keywords[] = {"undeclared", "c10d_names", nullptr};
@@ -568,93 +748,64 @@ PyObject* py_install(PyObject*, PyObject* args, PyObject* kwargs) {
     return nullptr;
   }
   if (g_libraries != nullptr) return PyLong_FromSize_t(g_hooked->size());
-  ExtraWrites extra;
-  if (!read_extra_writes(undeclared_arg, c10d_arg, &extra)) return nullptr;
+  auto extra = std::make_unique<ExtraWrites>();
+  if (!read_extra_writes(undeclared_arg, c10d_arg, extra.get())) return nullptr;
   SilentWarnings silent;  // "Overriding a previously registered kernel": stacking is the point
   c10::WarningUtils::WarningHandlerGuard warning_guard(&silent);
   auto libraries = std::make_unique<std::vector<std::unique_ptr<torch::Library>>>();
   auto hooked = std::make_unique<std::vector<std::string>>();
-  std::map<std::string, torch::Library*> by_namespace;
+  auto seen = std::make_unique<std::set<std::string>>();
   auto& dispatcher = c10::Dispatcher::singleton();
-  const std::vector<c10::OperatorName> names = dispatcher.getAllOpNames();
-  for (const c10::OperatorName& op_name : names) {
-    std::optional<c10::OperatorHandle> op = dispatcher.findOp(op_name);
-    if (!op.has_value() || !op->hasSchema()) continue;
-    const auto ns = op_name.getNamespace();
-    if (!ns.has_value()) continue;
-    const c10::FunctionSchema& schema = op->schema();
-    auto kernel = std::make_unique<HookKernel>();
-    const auto& arguments = schema.arguments();
-    auto position = [&](const std::string& param) -> int {
-      for (size_t i = 0; i < arguments.size(); ++i) {
-        if (arguments[i].name() == param) return (int)i;
-      }
-      return -1;
-    };
-    std::vector<bool> is_written(arguments.size(), false);
-    for (size_t i = 0; i < arguments.size(); ++i) {
-      if (writes_argument(arguments[i].alias_info()) && holds_tensors(arguments[i].real_type())) {
-        kernel->written.push_back({i, -1});
-        is_written[i] = true;
-      }
-    }
-    // c10d's in-place collectives declare no writes: their output parameters, by name.
-    if (kernel->written.empty() && *ns == "c10d" && !op_name.name.empty() &&
-        op_name.name.back() == '_') {
-      for (size_t i = 0; i < arguments.size(); ++i) {
-        if (std::find(extra.c10d_names.begin(), extra.c10d_names.end(), arguments[i].name()) !=
-                extra.c10d_names.end() && holds_tensors(arguments[i].real_type())) {
-          kernel->written.push_back({i, -1});
-          is_written[i] = true;
-        }
-      }
-    }
-    auto rule = extra.undeclared.find(
-        op_name.overload_name.empty() ? op_name.name : op_name.name + "." + op_name.overload_name);
-    if (rule != extra.undeclared.end()) {
-      // A renamed condition parameter leaves `when` -1: every call counts as writing.
-      const int when = rule->second.when.empty() ? -1 : position(rule->second.when);
-      for (const std::string& param : rule->second.names) {
-        const int i = position(param);
-        if (i >= 0 && !is_written[(size_t)i] && holds_tensors(arguments[(size_t)i].real_type())) {
-          kernel->written.push_back({(size_t)i, when});
-          is_written[(size_t)i] = true;
-        }
-      }
-      std::sort(kernel->written.begin(), kernel->written.end(),
-                [](const WrittenArg& a, const WrittenArg& b) { return a.index < b.index; });
-    }
-    if (kernel->written.empty()) continue;
-    kernel->num_args = arguments.size();
-    kernel->name = display_name(op_name);
-    kernel->is_copy = op_name.name == "aten::copy_" && op_name.overload_name.empty() &&
-        arguments.size() >= 2;
-    // The original must be taken before ours is registered: afterwards the computed kernel
-    // for the key is ours.
-    constexpr auto key = c10::DispatchKey::ADInplaceOrView;
-    if (op->hasKernelForDispatchKey(key) && !op->isKernelFallthroughKernel(key)) {
-      kernel->original.emplace(op->getComputedKernelForDispatchKey(key));
-    }
-    std::string ns_name(*ns);
-    torch::Library*& lib = by_namespace[ns_name];
-    if (lib == nullptr) {
-      libraries->push_back(std::make_unique<torch::Library>(
-          torch::Library::IMPL, ns_name, key, __FILE__, __LINE__));
-      lib = libraries->back().get();
-    }
-    const std::string qualified =
-        op_name.overload_name.empty() ? op_name.name : op_name.name + "." + op_name.overload_name;
-    std::string shown = kernel->name;
-    try {
-      lib->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::move(kernel)));
-    } catch (const c10::Error&) {
-      continue;  // an op that refuses a kernel on this key stays unhooked
-    }
-    hooked->push_back(std::move(shown));
+  // Counting starts before the op names are read: nothing defined in between is missed.
+  auto listener = std::make_unique<c10::RegistrationHandleRAII>(
+      dispatcher.addRegistrationListener(std::make_unique<CountRegistrations>()));
+  g_registrations_seen = g_registrations.load(std::memory_order_relaxed);
+  g_inference_hooked = !dispatcher.hasBackendFallbackForDispatchKey(kInferenceKey);
+  if (g_inference_hooked) {
+    libraries->push_back(std::make_unique<torch::Library>(
+        torch::Library::IMPL, "_", kInferenceKey, __FILE__, __LINE__));
+    libraries->back()->fallback(torch::CppFunction::makeFallthrough());
+  }
+  Registrar registrar{libraries.get(), {}};
+  for (const c10::OperatorName& op_name : dispatcher.getAllOpNames()) {
+    std::string shown = display_name(op_name);
+    if (hook_op(op_name, *extra, registrar, false)) hooked->push_back(shown);
+    seen->insert(std::move(shown));
   }
   g_libraries = libraries.release();
   g_hooked = hooked.release();
+  g_seen = seen.release();
+  g_extra = extra.release();
+  g_listener = new std::unique_ptr<c10::RegistrationHandleRAII>(std::move(listener));
   return PyLong_FromSize_t(g_hooked->size());
+  KVGUARD_CATCH
+}
+
+// hook_new() -> int: hook the writing ops defined since install() (or the last call);
+// returns how many. Free while no op was defined. Registers kernels: call it where
+// install() may be called (kvguard does at a guard's entry).
+PyObject* py_hook_new(PyObject*, PyObject*) {
+  KVGUARD_TRY
+  if (g_libraries == nullptr) return PyLong_FromLong(0);
+  const uint64_t now = g_registrations.load(std::memory_order_relaxed);
+  if (now == g_registrations_seen) return PyLong_FromLong(0);
+  g_registrations_seen = now;
+  SilentWarnings silent;
+  c10::WarningUtils::WarningHandlerGuard warning_guard(&silent);
+  Registrar registrar{g_libraries, {}};
+  long count = 0;
+  for (const c10::OperatorName& op_name : c10::Dispatcher::singleton().getAllOpNames()) {
+    std::string shown = display_name(op_name);
+    if (g_seen->count(shown) != 0) continue;
+    std::optional<c10::OperatorHandle> op = c10::Dispatcher::singleton().findOp(op_name);
+    if (!op.has_value() || !op->hasSchema()) continue;  // no schema yet: looked at once it has one
+    if (hook_op(op_name, *g_extra, registrar, true)) {
+      g_hooked->push_back(shown);
+      ++count;
+    }
+    g_seen->insert(std::move(shown));
+  }
+  return PyLong_FromLong(count);
   KVGUARD_CATCH
 }
 
@@ -663,13 +814,40 @@ PyObject* py_uninstall(PyObject*, PyObject*) {
   if (g_libraries != nullptr) {
     SilentWarnings silent;
     c10::WarningUtils::WarningHandlerGuard warning_guard(&silent);
+    delete g_listener;
+    g_listener = nullptr;
     delete g_libraries;  // each Library deregisters its kernels: the originals are back
     g_libraries = nullptr;
     delete g_hooked;
     g_hooked = nullptr;
+    delete g_seen;
+    g_seen = nullptr;
+    delete g_extra;
+    g_extra = nullptr;
+    g_inference_hooked = false;
   }
   Py_RETURN_NONE;
   KVGUARD_CATCH
+}
+
+// watch_inference(on) -> bool: this thread guards an inference tensor (on), or one guard
+// fewer does (off). While one does, the thread's TLS includes kInferenceKey, so that
+// writes inside torch.inference_mode() reach the inference kernels. Returns whether they
+// are registered (False: such writes are left to the boundary checks).
+PyObject* py_watch_inference(PyObject*, PyObject* arg) {
+  const int on = PyObject_IsTrue(arg);
+  if (on < 0) return nullptr;
+  if (!g_inference_hooked) return PyBool_FromLong(0);
+  if (on) {
+    if (t_inference_watchers++ == 0 && !c10::impl::tls_is_dispatch_key_included(kInferenceKey)) {
+      c10::impl::tls_set_dispatch_key_included(kInferenceKey, true);
+      t_inference_included = true;
+    }
+  } else if (t_inference_watchers > 0 && --t_inference_watchers == 0 && t_inference_included) {
+    c10::impl::tls_set_dispatch_key_included(kInferenceKey, false);
+    t_inference_included = false;
+  }
+  return PyBool_FromLong(1);
 }
 
 PyObject* py_installed(PyObject*, PyObject*) {
@@ -978,6 +1156,7 @@ struct Described {
   uint64_t layout = 0, impl = 0;
   uintptr_t start = 0, stop = 0;  // both 0: no element memory (empty, or no data yet)
   bool dense = true;
+  bool inference = false;  // an inference tensor (made inside torch.inference_mode())
   c10::Device device{c10::kCPU};
   // The digest: read on the host (CPU tensors inside their storage), left to Python's
   // torch-op digest (other devices), or none (elements outside the storage).
@@ -1009,6 +1188,7 @@ void describe_one(PyObject* obj, Described& d, bool want_digest, int max_dims) {
     reach += (sizes[k] > 0 ? sizes[k] - 1 : 0) * strides[k];
   }
   d.plain = true;
+  d.inference = impl->is_inference();
   d.impl = reinterpret_cast<uintptr_t>(impl);
   d.device = impl->device();
   // As `t.data_ptr()` reads it (a storage freed with resize_(0) has a null base): no element
@@ -1060,11 +1240,12 @@ void describe_one(PyObject* obj, Described& d, bool want_digest, int max_dims) {
 
 // describe(tensors, plain_types, digest) -> list, one item per tensor: None when Python
 // must describe it (not one of `plain_types` exactly, or not plain strided memory), else
-// (layout, impl, device, start, stop, dense, digest): `layout` an int that changes when the
+// (layout, impl, device, start, stop, dense, digest, inference): `layout` an int that changes when the
 // tensor is re-pointed or its layout changes, `impl` its TensorImpl address (`_cdata`),
 // `device` a torch.device, [start, stop) the bytes its elements span ((0, 0) for none),
 // `dense` whether the elements tile that span, and `digest` an int (CPU), None (nothing
-// readable, or `digest` false) or NotImplemented (another device: Python digests it there).
+// readable, or `digest` false) or NotImplemented (another device: Python digests it there);
+// `inference` whether it is an inference tensor.
 PyObject* py_describe(PyObject*, PyObject* args) {
   KVGUARD_TRY
   PyObject *tensors = nullptr, *plain_types = nullptr;
@@ -1121,9 +1302,9 @@ PyObject* py_describe(PyObject*, PyObject* args) {
           : Py_NewRef(Py_None);
       PyObject* device = device_object(d.device);
       item = digest == nullptr || device == nullptr ? nullptr
-          : Py_BuildValue("(KKNKKON)", (unsigned long long)d.layout, (unsigned long long)d.impl,
+          : Py_BuildValue("(KKNKKONO)", (unsigned long long)d.layout, (unsigned long long)d.impl,
                           device, (unsigned long long)d.start, (unsigned long long)d.stop,
-                          d.dense ? Py_True : Py_False, digest);
+                          d.dense ? Py_True : Py_False, digest, d.inference ? Py_True : Py_False);
       if (item == nullptr) {
         Py_XDECREF(digest);
         Py_XDECREF(device);
@@ -1156,6 +1337,14 @@ PyMethodDef methods[] = {
     {"uninstall", py_uninstall, METH_NOARGS,
      "uninstall() -> None\n\nRemove the hooks: the original kernels are back."},
     {"installed", py_installed, METH_NOARGS, "installed() -> bool"},
+    {"hook_new", py_hook_new, METH_NOARGS,
+     "hook_new() -> int\n\nHook the writing ops defined since install() or the last call (a "
+     "torch.library.custom_op defined later); returns how many. Free while none was defined. "
+     "Registers kernels: the same caveat as install()."},
+    {"watch_inference", py_watch_inference, METH_O,
+     "watch_inference(on: bool) -> bool\n\nThis thread guards an inference tensor (on) or one "
+     "guard fewer does (off): writes inside torch.inference_mode() on this thread are judged "
+     "while one does. Returns whether the inference-mode kernels are installed."},
     {"hooked_ops", py_hooked_ops, METH_NOARGS,
      "hooked_ops() -> list[str]\n\nNames of the hooked overloads, 'ns::name.overload'."},
     {"set_enabled", py_set_enabled, METH_O,
@@ -1186,7 +1375,7 @@ PyMethodDef methods[] = {
     {"describe", py_describe, METH_VARARGS,
      "describe(tensors: list, plain_types: tuple[type, ...], digest: bool) -> list\n\nPer "
      "tensor, None (Python must describe it) or (layout, impl, device, start, stop, dense, "
-     "digest): see kvguard/_write_hook.cpp."},
+     "digest, inference): see kvguard/_write_hook.cpp."},
     {"writes", py_writes, METH_NOARGS,
      "writes() -> int\n\nHow many outermost writing ops ran while enabled."},
     {nullptr, nullptr, 0, nullptr}};

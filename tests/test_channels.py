@@ -94,7 +94,8 @@ class Row:
     # the exit check reports it (the README's engine table says which rows).
     hook_sees: bool = True
     # The op the `kernels` engine names, where it differs: a custom op's own ADInplaceOrView
-    # kernel is Python, so that engine sees the aten op inside it instead.
+    # kernel is Python, which a Python kernel cannot wrap, so that engine sees the aten op
+    # inside it instead (`compiled` and `mode` name the custom op).
     kernels_op: str | None = None
     kernels_line_in: Callable[..., Any] | None = None
 
@@ -514,7 +515,6 @@ VISIBLE = [
         _mutate_30,
         "aten.mul_.Tensor",
         check_version=False,
-        hook_sees=False,
     ),
     Row(
         "row31-inference-mode-outside",

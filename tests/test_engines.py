@@ -348,3 +348,364 @@ def test_the_compiled_engine_in_a_fresh_process(tmp_path: Path) -> None:
     assert (result.stdout, result.stderr) == ("raised compiled aten.add_.Tensor [0.0, 0.0]\n", "")
     auto = _child(tmp_path, KVGUARD_CACHE_DIR=str(_build.cache_root()))
     assert (auto.stdout, auto.stderr) == ("raised compiled aten.add_.Tensor [0.0, 0.0]\n", "")
+
+
+# 8. Inference tensors written inside torch.inference_mode(): at the op under every engine
+# (the write hooks judge them on a key the guard's thread includes while it protects one).
+
+def _inference_tensor(n: int = 4) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.arange(float(n))
+
+
+def _write_in_inference_mode(t: torch.Tensor) -> None:
+    with torch.inference_mode():
+        t.mul_(2)  # INFERENCE WRITE
+
+
+def _line_of(fn: Callable[..., Any], marker: str) -> int:
+    import inspect
+
+    lines, start = inspect.getsourcelines(fn)
+    return start + next(i for i, line in enumerate(lines) if marker in line)
+
+
+def test_an_inference_tensor_written_in_inference_mode_is_blocked_at_the_op(engine: str) -> None:
+    k = _inference_tensor()
+    with pytest.raises(kvguard.MutationError) as info:
+        with kvguard.guard({"k": k}, name="rd", action="raise"):
+            _write_in_inference_mode(k)
+    event = info.value.args[1]
+    assert (event.path, event.op, event.kind, event.blocked) == ("rd['k']", "aten.mul_.Tensor", "write", True)
+    assert (event.filename, event.lineno) == (HERE, _line_of(_write_in_inference_mode, "# INFERENCE WRITE"))
+    assert k.tolist() == [0.0, 1.0, 2.0, 3.0], "blocked before the write: the data is intact"
+
+
+def test_an_inference_tensor_written_in_inference_mode_is_recorded_at_the_op(engine: str) -> None:
+    k = _inference_tensor()
+    with kvguard.guard({"k": k}, name="rd", action="record") as g:
+        _write_in_inference_mode(k)
+    assert [(e.path, e.op, e.kind, e.blocked) for e in g.report.events] == [
+        ("rd['k']", "aten.mul_.Tensor", "write", False)]
+    assert k.tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+@pytest.mark.parametrize("write, path, changed", [
+    (lambda k: k[1:].add_(1), "rd['k']", [0.0, 2.0, 3.0, 4.0]),
+    (lambda k: k.view(2, 2)[:, 1].zero_(), "rd['k']", [0.0, 0.0, 2.0, 0.0]),
+    (lambda k: k.view(torch.int32)[0].fill_(7), "rd['k']", None),
+    (lambda k: torch.add(k, 1, out=k), "rd['k']", [1.0, 2.0, 3.0, 4.0]),
+], ids=["slice", "strided-view", "dtype-view", "out="])
+def test_an_inference_tensor_written_through_a_view_in_inference_mode(
+        engine: str, write: Callable[[torch.Tensor], Any], path: str, changed: Any) -> None:
+    k = _inference_tensor()
+    with kvguard.guard({"k": k}, name="rd", action="record") as g:
+        with torch.inference_mode():
+            write(k)
+    assert [(e.path, e.kind) for e in g.report.events] == [(path, "write")], g.report.events
+    if changed is not None:
+        assert k.tolist() == changed
+    with pytest.raises(kvguard.MutationError):
+        with kvguard.guard({"k": k}, name="rd", action="raise"):
+            with torch.inference_mode():
+                write(k)
+
+
+def test_a_sibling_of_an_inference_tensor_written_in_inference_mode_is_not_reported(engine: str) -> None:
+    with torch.inference_mode():
+        rows = torch.zeros(2, 3).unbind(0)
+    with kvguard.guard({"k": rows[1]}, name="rd", action="raise") as g:
+        with torch.inference_mode():
+            rows[0].add_(1)
+    assert g.report.ok and rows[0].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_guard_entered_inside_inference_mode_sees_its_writes(engine: str) -> None:
+    with torch.inference_mode():
+        k = torch.ones(3)
+        with pytest.raises(kvguard.MutationError):
+            with kvguard.guard({"k": k}, name="rd", action="raise"):
+                k.add_(1)
+        assert k.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_normal_tensor_written_inside_inference_mode_is_blocked(engine: str) -> None:
+    for make in (lambda: torch.ones(3), lambda: torch.no_grad()(torch.ones)(3)):
+        k = make()
+        with pytest.raises(kvguard.MutationError) as info:
+            with kvguard.guard({"k": k}, name="rd", action="raise"):
+                with torch.inference_mode():
+                    k.add_(1)
+        assert info.value.args[1].op == "aten.add_.Tensor" and k.tolist() == [1.0, 1.0, 1.0]
+        assert k._version == 0
+
+
+def test_no_grad_is_not_inference_mode(engine: str) -> None:
+    """A tensor made under no_grad is a normal tensor: reached at ADInplaceOrView, its version bumped."""
+    with torch.no_grad():
+        k = torch.ones(3)
+    with kvguard.guard({"k": k}, name="rd", action="record") as g:
+        with torch.no_grad():
+            k.add_(1)
+    assert [e.op for e in g.report.events] == ["aten.add_.Tensor"] and k._version == 1
+
+
+def test_an_inference_tensor_written_outside_inference_mode_is_still_refused_by_torch(engine: str) -> None:
+    k = _inference_tensor()
+    with pytest.raises(kvguard.MutationError):  # blocked before torch's own check, which fires after
+        with kvguard.guard({"k": k}, name="rd", action="raise"):
+            k.add_(1)
+    assert k.tolist() == [0.0, 1.0, 2.0, 3.0]
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        with kvguard.guard({"other": torch.zeros(1)}, name="other", action="raise"):
+            k.add_(1)
+
+
+def test_inference_mode_false_nested_inside_inference_mode(engine: str) -> None:
+    k = _inference_tensor()
+    normal = torch.ones(2)
+    with kvguard.guard({"k": k, "n": normal}, name="rd", action="record") as g:
+        with torch.inference_mode():
+            with torch.inference_mode(False):
+                with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+                    k.add_(1)
+                normal.add_(1)
+            k.mul_(2)
+    assert [(e.path, e.op) for e in g.report.events] == [
+        ("rd['k']", "aten.add_.Tensor"), ("rd['n']", "aten.add_.Tensor"), ("rd['k']", "aten.mul_.Tensor")]
+
+
+def test_an_inference_tensor_placed_during_the_guard_is_watched(engine: str) -> None:
+    """A placement is noticed at the next write the hook sees (or the boundary): from then on
+    the tensor's inference-mode writes are seen at the op."""
+    rd: dict[str, Any] = {"x": torch.zeros(2)}
+    scratch = torch.zeros(1)
+    with kvguard.guard(rd, name="rd", action="record") as g:
+        rd["late"] = late = _inference_tensor(2)
+        scratch.add_(1)  # any write: the hook looks at the guarded dict first
+        with torch.inference_mode():
+            late.add_(1)
+    assert [(e.path, e.op, e.placed_at is not None) for e in g.report.events] == [
+        ("rd['late']", "aten.add_.Tensor", True)]
+
+
+def test_an_inference_tensor_placed_then_written_at_once_is_found(engine: str) -> None:
+    if engine != "mode":
+        pytest.xfail("the write hooks notice a placement at the next write they see; this one is invisible "
+                     "to them until then, so the exit check takes the written values as the first ones seen")
+    rd: dict[str, Any] = {"x": torch.zeros(2)}
+    with kvguard.guard(rd, name="rd", action="record") as g:
+        rd["late"] = late = _inference_tensor(2)
+        with torch.inference_mode():
+            late.add_(1)
+    assert [(e.path, e.kind) for e in g.report.events] == [("rd['late']", "write")]
+
+
+def test_the_inference_watch_is_on_only_while_an_inference_tensor_is_protected(engine: str) -> None:
+    """No inference tensor protected: this thread's dispatch keys are as unguarded (no per-op cost)."""
+    before = torch._C._dispatch_tls_local_include_set()
+    if engine == "mode":
+        pytest.skip("a dispatch mode sees every op anyway (and changes the thread's keys itself)")
+    with kvguard.guard({"x": torch.zeros(2)}, action="record"):
+        assert torch._C._dispatch_tls_local_include_set() == before
+    with kvguard.guard({"k": _inference_tensor()}, action="record"):
+        with kvguard.guard({"x": torch.zeros(2)}, action="record"):
+            pass
+        watching = torch._C._dispatch_tls_local_include_set()
+    assert watching != before
+    assert torch._C._dispatch_tls_local_include_set() == before, "left as found"
+
+
+def test_an_inference_write_from_another_thread_is_found_at_the_boundary(engine: str) -> None:
+    """The watch is per thread (the guard's): another thread's inference-mode write is an exit finding."""
+    k = _inference_tensor()
+    with kvguard.guard({"k": k}, name="rd", action="record") as g:
+        thread = threading.Thread(target=_write_in_inference_mode, args=(k,))
+        thread.start()
+        thread.join()
+    assert [(e.path, e.kind) for e in g.report.events] == [("rd['k']", "unobserved")]
+
+
+def _compiled_scale(t: torch.Tensor) -> None:
+    t.mul_(2)  # COMPILED WRITE
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_torch_compile_under_inference_mode_writing_an_inference_tensor(engine: str) -> None:
+    k = _inference_tensor()
+    fn = torch.compile(_compiled_scale, backend="eager")
+    with torch.inference_mode():
+        with pytest.raises(kvguard.MutationError) as info:
+            with kvguard.guard({"k": k}, name="rd", action="raise"):
+                fn(k)
+    assert info.value.args[1].lineno == _line_of(_compiled_scale, "# COMPILED WRITE")
+    assert k.tolist() == [0.0, 1.0, 2.0, 3.0]
+    fn(k.clone())  # and outside the guard, compiled as before
+    torch._dynamo.reset()
+
+
+# 9. Writes through a view of a meta tensor: meta tensors hold no data, but their views lay
+# out the elements of one storage; a write covering some of a protected one's is reported.
+
+def test_a_write_through_a_view_of_a_meta_tensor_is_blocked(engine: str) -> None:
+    m = torch.empty(3, 2, device="meta")
+    with pytest.raises(kvguard.MutationError) as info:
+        with kvguard.guard({"m": m}, name="rd", action="raise"):
+            m[0].add_(1)
+    event = info.value.args[1]
+    assert (event.path, event.op, event.blocked, event.filename) == ("rd['m']", "aten.add_.Tensor", True, HERE)
+
+
+@pytest.mark.parametrize("protect, write, hit", [
+    (lambda m: m, lambda m: m[0].add_(1), True),
+    (lambda m: m, lambda m: m.t()[1].zero_(), True),
+    (lambda m: m, lambda m: m.view(6)[5:].fill_(1), True),
+    (lambda m: m[:, 0], lambda m: m[2].add_(1), True),  # row 2 holds one element of column 0
+    (lambda m: m[0], lambda m: m.mul_(2), True),  # the base written: the view's elements too
+    (lambda m: m[0], lambda m: m[1].add_(1), False),  # sibling rows
+    (lambda m: m[:, 0], lambda m: m[:, 1].add_(1), False),  # interleaved sibling columns
+    (lambda m: m, lambda m: torch.empty(3, 2, device="meta")[0].add_(1), False),  # another storage
+    (lambda m: m, lambda m: torch.empty(0, device="meta").add_(1), False),
+], ids=["row", "transposed", "flat-tail", "row-across-column", "base", "sibling-row", "sibling-column",
+        "another-meta-tensor", "empty"])
+def test_meta_views_are_matched_by_the_elements_they_cover(
+        engine: str, protect: Callable[[torch.Tensor], torch.Tensor], write: Callable[[torch.Tensor], Any],
+        hit: bool) -> None:
+    m = torch.empty(3, 2, device="meta")
+    with kvguard.guard({"m": protect(m)}, name="rd", action="record") as g:
+        write(m)
+    assert [(e.path, e.kind) for e in g.report.events] == ([("rd['m']", "write")] if hit else [])
+    if hit:
+        assert "meta tensor holds no data" in g.report.events[0].diff
+
+
+# 10. Custom ops: named as the user wrote them, whenever they were defined.
+
+def _late_scale_body(x: torch.Tensor) -> None:
+    x.mul_(2)  # INSIDE THE CUSTOM OP
+
+
+def test_a_custom_op_defined_after_the_first_guard_is_named(engine: str) -> None:
+    with _unrelated():  # the write hook is installed by now
+        pass
+    name = f"kvguard_tests::late_scale_{engine}"
+
+    @torch.library.custom_op(name, mutates_args=("x",))
+    def late_scale(x: torch.Tensor) -> None:
+        _late_scale_body(x)
+
+    def call(x: torch.Tensor) -> None:
+        late_scale(x)  # CUSTOM OP CALL
+
+    k = torch.ones(3)
+    with pytest.raises(kvguard.MutationError) as info:
+        with kvguard.guard({"k": k}, name="rd", action="raise"):
+            call(k)
+    event = info.value.args[1]
+    if engine == "kernels":  # its ADInplaceOrView kernel is Python: seen at the aten op inside it
+        assert (event.op, event.lineno) == ("aten.mul_.Tensor", _line_of(_late_scale_body, "# INSIDE THE CUSTOM OP"))
+    else:
+        assert (event.op, event.lineno) == (f"{name.replace('::', '.')}.default", _line_of(call, "# CUSTOM OP CALL"))
+    assert k.tolist() == [1.0, 1.0, 1.0]
+    with kvguard.guard({"k": k}, name="rd", action="record") as g:
+        call(k)
+    assert [e.op for e in g.report.events] == [event.op] and k.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_an_op_defined_again_with_another_schema_still_runs(engine: str) -> None:
+    """A scoped library's op, hooked at a guard's entry, deregistered, then defined again differently."""
+    name = f"kvguard_redefined_{engine}"
+    with _unrelated():
+        pass
+    with torch.library._scoped_library(name, "DEF") as lib:
+        lib.define("bump_(Tensor(a!) x) -> ()")
+        lib.impl("bump_", lambda x: [x.add_(1)] and None, "CompositeExplicitAutograd")
+        k = torch.ones(2)
+        with kvguard.guard({"k": k}, name="rd", action="record") as g:
+            getattr(torch.ops, name).bump_(k)
+        assert [(e.path, e.kind) for e in g.report.events] == [("rd['k']", "write")]
+    with torch.library._scoped_library(name, "DEF") as lib:
+        lib.define("bump_(Tensor(a!) x, Tensor y) -> ()")
+        lib.impl("bump_", lambda x, y: [x.add_(y)] and None, "CompositeExplicitAutograd")
+        k = torch.ones(2)
+        with kvguard.guard({"k": k}, name="rd", action="record") as g:
+            getattr(torch.ops, name).bump_(k, torch.ones(2))
+        assert k.tolist() == [2.0, 2.0] and [(e.path, e.kind) for e in g.report.events] == [("rd['k']", "write")]
+        getattr(torch.ops, name).bump_(k, torch.ones(2))
+        assert k.tolist() == [3.0, 3.0]
+
+
+# 11. Nested guards over the same memory: every guard the write touches records it, blocked
+# or not; the error raised is the innermost stopping guard's.
+
+def _nested(outer_action: str, inner_action: str, write: Callable[[torch.Tensor], Any]) -> tuple[Any, Any, Any]:
+    x = torch.zeros(6)
+    raised = None
+    try:
+        with kvguard.guard({"x": x}, name="outer", action=outer_action) as outer:
+            with kvguard.guard({"tail": x[2:]}, name="inner", action=inner_action) as inner:
+                write(x)
+    except kvguard.MutationError as exc:
+        raised = exc.args[1].path
+    return ([(e.path, e.blocked) for e in outer.report.events],
+            [(e.path, e.blocked) for e in inner.report.events], (raised, x.tolist()))
+
+
+def test_an_inner_record_guard_records_a_write_the_outer_raise_guard_blocked(engine: str) -> None:
+    outer, inner, (raised, x) = _nested("raise", "record", lambda x: x[3].add_(1))
+    assert outer == [("outer['x']", True)] and inner == [("inner['tail']", True)]
+    assert raised == "outer['x']" and x == [0.0] * 6
+
+
+def test_an_outer_record_guard_records_a_write_the_inner_raise_guard_blocked(engine: str) -> None:
+    outer, inner, (raised, x) = _nested("record", "raise", lambda x: x[3].add_(1))
+    assert outer == [("outer['x']", True)] and inner == [("inner['tail']", True)]
+    assert raised == "inner['tail']" and x == [0.0] * 6
+
+
+def test_two_raise_guards_both_record_the_write_and_the_inner_one_raises(engine: str) -> None:
+    outer, inner, (raised, x) = _nested("raise", "raise", lambda x: x[3].add_(1))
+    assert outer == [("outer['x']", True)] and inner == [("inner['tail']", True)]
+    assert raised == "inner['tail']" and x == [0.0] * 6
+
+
+def test_a_write_touching_only_the_outer_guards_memory(engine: str) -> None:
+    outer, inner, (raised, x) = _nested("raise", "record", lambda x: x[0].add_(1))
+    assert outer == [("outer['x']", True)] and inner == []
+    assert raised == "outer['x']" and x == [0.0] * 6
+    outer, inner, (raised, x) = _nested("record", "raise", lambda x: x[:2].add_(1))
+    assert outer == [("outer['x']", False)] and inner == [] and raised is None and x[:2] == [1.0, 1.0]
+
+
+def test_nested_record_and_warn_guards_both_record_a_landed_write(engine: str) -> None:
+    with pytest.warns(kvguard.MutationWarning):
+        outer, inner, (raised, x) = _nested("warn", "record", lambda x: x[5].add_(1))
+    assert outer == [("outer['x']", False)] and inner == [("inner['tail']", False)] and raised is None
+
+
+def test_a_guard_on_another_thread_records_a_write_this_threads_guard_blocked(engine: str) -> None:
+    x = torch.zeros(4)
+    entered, leave = threading.Event(), threading.Event()
+    reports: list[Any] = []
+
+    def other() -> None:
+        with kvguard.guard({"x": x}, name="other", action="record") as g:
+            entered.set()
+            leave.wait(10)
+        reports.append(g.report)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    entered.wait(10)
+    try:
+        with pytest.raises(kvguard.MutationError):
+            with kvguard.guard({"x": x}, name="here", action="raise"):
+                x.add_(1)
+    finally:
+        leave.set()
+        thread.join()
+    # The write hooks are process-wide; a dispatch mode sees its own thread only, and a
+    # blocked write leaves nothing for its boundary check to find.
+    expected = [] if engine == "mode" else [("other['x']", True)]
+    assert [(e.path, e.blocked) for e in reports[0].events] == expected
+    assert x.tolist() == [0.0] * 4
