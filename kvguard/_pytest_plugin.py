@@ -85,7 +85,10 @@ def header(action: str, source: str) -> str:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvguard", "catch in-place writes to protected tensors")
-    group.addoption("--kvguard", dest="kvguard", metavar="ACTION", default=None, help=ACTION_HELP)
+    try:
+        group.addoption("--kvguard", dest="kvguard", metavar="ACTION", default=None, help=ACTION_HELP)
+    except ValueError:  # `-p no:kvguard -p kvguard._pytest_off -p kvguard._pytest_plugin`: the same option
+        pass
     parser.addini("kvguard_action", INI_HELP, default=None)
 
 

@@ -350,6 +350,13 @@ def test_warn_under_warnings_as_errors_fails_once_per_write(ambient: pytest.Pyte
     assert_output(result, "batch['kl'][0] was modified in place by aten.add_.Tensor")
 
 
+@pytest.mark.parametrize("action", ["warn", "record"])
+def test_a_fixture_guard_that_saw_a_write_errors_at_teardown(project: pytest.Pytester, action: str) -> None:
+    result = run(project, f"--kvguard={action}", "-k", "from_fixture")
+    result.assert_outcomes(passed=1, errors=1)  # the call ran to its end; the fixture's guard reports
+    assert_output(result, "guarded_batch['kl'][0] was modified in place by aten.zero_.default")
+
+
 def test_clean_tests_pass_under_every_action(ambient: pytest.Pytester) -> None:
     for action in ("raise", "warn", "record", "off"):
         run(ambient, f"--kvguard={action}", "-k", "clean").assert_outcomes(passed=1)
@@ -444,6 +451,13 @@ def test_the_second_entry_point_is_inert_next_to_the_plugin(project: pytest.Pyte
     result = project.runpytest(*LOAD, "-p", second, "-k", "test_fixture and not clean and not two and not from")
     result.assert_outcomes(failed=1)
     assert_output(result, header("raise", "default"), absent=BLOCKED_HEADER)
+
+
+def test_the_plugin_loaded_by_its_module_name_wins_over_the_block(project: pytest.Pytester) -> None:
+    """`-p no:kvguard -p kvguard._pytest_plugin`: the plugin runs, the second entry point stays out."""
+    result = project.runpytest(*BLOCK, "-p", "kvguard._pytest_plugin", "-k", "marker_all")
+    result.assert_outcomes(failed=1)
+    assert_output(result, header("raise", "default"), "x[0] would be modified in place", absent=BLOCKED_HEADER)
 
 
 def run_blocked(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
