@@ -10,6 +10,7 @@
     python -m kvguard engines
         whether each engine (compiled, kernels, mode) can be used here, and which one a guard would use
     python -m kvguard install-pth | uninstall-pth
+    python -m kvguard --version
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ _BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstra
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvguard", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=_version_text(),
+                        help="print kvguard's version (and torch's, when installed) and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run CMD with kvguard on in it and in every process it starts")
@@ -96,6 +99,16 @@ def _command(opts: Any) -> int:
     return 0
 
 
+def _version_text() -> str:
+    """`kvguard 0.2.0 (torch 2.13.0+cpu, Python 3.11.7)`, without importing torch."""
+    import platform
+
+    from kvguard._reportfile import _version
+
+    torch = _version("torch")
+    return f"kvguard {kvguard.__version__} ({f'torch {torch}, ' if torch else ''}Python {platform.python_version()})"
+
+
 def _discard_stdout() -> None:
     """Python's recipe for a closed pipe: stdout to devnull, so the flush at exit cannot fail again."""
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -115,6 +128,7 @@ def _run(opts: Any) -> int:
     # Fail here, before the job starts, naming where the bad value came from.
     _config.parse_targets(env.get("KVGUARD_TARGETS", ""),
                           "--targets" if opts.targets else _config.env_source("KVGUARD_TARGETS"))
+    _config.guard_defaults(env)
     if opts.report_dir:
         env["KVGUARD_REPORT_DIR"] = os.path.abspath(opts.report_dir)
     env.setdefault("KVGUARD_RUN_ID", _ranks.new_run_id())  # one run id for every process of the command
@@ -159,7 +173,7 @@ def _build_command(opts: Any) -> int:
     """Build or find the compiled write hook and check that it loads; 0: it is there, 1: why not (one line)."""
     from kvguard import _build
 
-    ok, where = _build_result(rebuild=opts.rebuild or os.environ.get("KVGUARD_REBUILD", "") not in ("", "0"),
+    ok, where = _build_result(rebuild=opts.rebuild or _build.rebuild_requested(),
                               verbose=opts.verbose)
     if ok:
         broken = _build.check_loads(where)
@@ -208,7 +222,7 @@ def _engines_command() -> int:
     said = io.StringIO()
     with contextlib.redirect_stderr(said):
         chosen = _engines.choose()
-    raw = os.environ.get("KVGUARD_ENGINE", "").strip()
+    raw = _config.read("KVGUARD_ENGINE")
     if raw.lower() in ("", "auto"):
         why_chosen = "the first available; KVGUARD_ENGINE=compiled|kernels|mode asks for one"
     elif raw.lower() not in _engines.ENGINES:

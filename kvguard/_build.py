@@ -47,7 +47,9 @@ _reason = "not loaded yet: call load()"
 
 def cache_root() -> Path:
     """The cache directory: `KVGUARD_CACHE_DIR`, else `$XDG_CACHE_HOME/kvguard`, else `~/.cache/kvguard`."""
-    explicit = os.environ.get("KVGUARD_CACHE_DIR")
+    from kvguard._config import read
+
+    explicit = read("KVGUARD_CACHE_DIR")
     if explicit:
         return Path(explicit).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
@@ -157,7 +159,8 @@ def _compile(directory: Path, compiler: list[str], *, verbose: bool) -> tuple[bo
     import torch
 
     print(f"kvguard: building the compiled write hook for torch {torch.__version__} "
-          f"(once per torch version, about 20 s) into {directory}", file=sys.stderr, flush=True)
+          f"(once per torch version; compiling takes about 20 s, 15 s of CPU) into {directory}",
+          file=sys.stderr, flush=True)
     fd, tmp_name = tempfile.mkstemp(dir=directory, prefix="_write_hook.", suffix=".tmp.so")
     os.close(fd)
     tmp = Path(tmp_name)
@@ -256,7 +259,7 @@ def load() -> Optional[ModuleType]:
             if why is not None:
                 _reason = why
             else:
-                force = os.environ.get("KVGUARD_REBUILD", "") not in ("", "0")
+                force = rebuild_requested()
                 ok, where = _ensure_built(force=force, verbose=False)
                 if ok:
                     try:
@@ -270,6 +273,13 @@ def load() -> Optional[ModuleType]:
             _reason = f"the build failed unexpectedly: {type(exc).__name__}: {exc}"
         _loaded = True
         return _module
+
+
+def rebuild_requested() -> bool:
+    """Whether `KVGUARD_REBUILD` asks for a fresh build (set, and not 0)."""
+    from kvguard._config import read
+
+    return read("KVGUARD_REBUILD") not in ("", "0")
 
 
 def reason() -> str:

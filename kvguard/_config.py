@@ -1,20 +1,23 @@
-"""Settings for env-var activation and the pytest plugin. Stdlib only.
+"""Settings: every `KVGUARD*` variable is read here, for env activation and for every guard. Stdlib only.
 
 Precedence, lowest first:
-  1) defaults
+  1) built-in defaults
   2) ini (`kvguard_action` in pytest's ini file)
   3) environment (`KVGUARD`, `KVGUARD_*`)
   4) command line (`--kvguard`)
   5) the `kvguard` marker, or keyword arguments in code
 Bad values raise `ConfigError` naming where they came from.
 
-`KVGUARD_REPORT_DIR` and `KVGUARD_MAX_EVENTS` apply to every guard in the process,
-activated from the environment or not; the other variables to env targets only.
+`KVGUARD` and `KVGUARD_TARGETS` switch env activation on and say what it guards. Every
+other guard setting (`GUARD_VARIABLES`) is the default of every guard in the process:
+`guard()`, `guarded`, env targets, the pytest plugin's guards, `guard_schedule`; an
+argument given in code wins (`guard_defaults`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from typing import Mapping, Optional
 
@@ -63,9 +66,107 @@ class Calls:
                 "range": f"{self.low}-{self.high}"}[self.kind]
 
 
+# The variables every guard takes its defaults from (set or not, an argument wins).
+GUARD_VARIABLES = ("KVGUARD_KEYS", "KVGUARD_IGNORE", "KVGUARD_ALLOW", "KVGUARD_LEVEL", "KVGUARD_FINGERPRINT",
+                   "KVGUARD_ENGINE", "KVGUARD_MAX_EVENTS", "KVGUARD_REPORT_DIR", "KVGUARD_CALLS")
+ENGINES = ("compiled", "kernels", "mode")
+_SWITCHES = {"1": True, "on": True, "true": True, "yes": True, "0": False, "off": False, "false": False, "no": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardDefaults:
+    """What the `KVGUARD_*` variables set for every guard; None where a variable is unset.
+
+    A guard takes a value from here only for an option its caller did not give, and its
+    own built-in default where this is None too.
+    """
+
+    keys: Optional[tuple[str, ...]] = None
+    ignore: Optional[tuple[str, ...]] = None
+    allow: Optional[tuple[str, ...]] = None
+    level: Optional[str] = None
+    fingerprint: Optional[bool] = None
+    engine: Optional[str] = None  # compiled | kernels | mode; None: unset or "auto"
+    max_events: Optional[int] = None
+    report_dir: Optional[str] = None
+    calls: Optional["Calls"] = None
+
+
+def read(name: str, environ: Optional[Mapping[str, str]] = None) -> str:
+    """The variable's value, stripped; "" when unset. The one place kvguard reads its variables."""
+    return (os.environ if environ is None else environ).get(name, "").strip()
+
+
+_cached: tuple[tuple[str, ...], GuardDefaults] = ((), GuardDefaults())
+
+
+def guard_defaults(environ: Optional[Mapping[str, str]] = None) -> GuardDefaults:
+    """The guard settings of `environ` (default: this process's), each checked.
+
+    Raises `ConfigError` naming the variable of a bad value. Read again whenever a
+    variable changes (tests and notebooks set them at run time); parsed once per change.
+    """
+    global _cached
+    raw = tuple(read(name, environ) for name in GUARD_VARIABLES)
+    if raw == _cached[0]:
+        return _cached[1]
+    defaults = _parse_guard_defaults(dict(zip(GUARD_VARIABLES, raw)))
+    if environ is None:
+        _cached = (raw, defaults)
+    return defaults
+
+
+def _parse_guard_defaults(values: dict[str, str]) -> GuardDefaults:
+    from kvguard._allow import parse_patterns
+
+    def given(name: str) -> Optional[str]:
+        return values[name] or None
+
+    level = given("KVGUARD_LEVEL")
+    allow = given("KVGUARD_ALLOW")
+    calls = given("KVGUARD_CALLS")
+    defaults = GuardDefaults(
+        keys=_keys(given("KVGUARD_KEYS")), ignore=_keys(given("KVGUARD_IGNORE")),
+        allow=parse_patterns(allow, env_source("KVGUARD_ALLOW")) if allow is not None else None,
+        level=parse_level(level, env_source("KVGUARD_LEVEL")) if level is not None else None,
+        fingerprint=parse_switch(values["KVGUARD_FINGERPRINT"], "KVGUARD_FINGERPRINT"),
+        engine=parse_engine(values["KVGUARD_ENGINE"]), max_events=parse_max_events(given("KVGUARD_MAX_EVENTS")),
+        report_dir=given("KVGUARD_REPORT_DIR"), calls=parse_calls(calls) if calls is not None else None)
+    if defaults.level == "light" and defaults.fingerprint is False:
+        raise ConfigError("KVGUARD_LEVEL=light finds changes by value fingerprints only; it cannot run with "
+                          "KVGUARD_FINGERPRINT=0")
+    return defaults
+
+
+def parse_switch(value: str, name: str) -> Optional[bool]:
+    """On (`1`/`on`/`true`/`yes`), off (`0`/`off`/`false`/`no`), any case; None when empty."""
+    spelled = value.strip().lower()
+    if not spelled:
+        return None
+    if spelled not in _SWITCHES:
+        raise ConfigError(f"invalid value {value.strip()!r} in {env_source(name)}; expected 1/on/true/yes "
+                          "or 0/off/false/no")
+    return _SWITCHES[spelled]
+
+
+def parse_engine(value: str) -> Optional[str]:
+    """`compiled`, `kernels` or `mode` from `KVGUARD_ENGINE`; None for unset or `auto`."""
+    spelled = value.strip().lower()
+    if spelled in ("", "auto"):
+        return None
+    if spelled not in ENGINES:
+        raise ConfigError(f"invalid engine {value.strip()!r} in {env_source('KVGUARD_ENGINE')}; expected auto, "
+                          f"{', '.join(ENGINES)} (any case)")
+    return spelled
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """What env activation does: the action, the targets, where reports go, what is allowed."""
+    """What env activation does: the action, the targets, where reports go, what is allowed.
+
+    `defaults` are the guard settings read at start-up; the targets' guards keep them
+    for the life of the process.
+    """
 
     action: str = OFF
     targets: tuple[Target, ...] = ()
@@ -75,6 +176,7 @@ class Settings:
     allow: tuple[str, ...] = ()
     calls: Calls = Calls()
     level: str = "full"
+    defaults: GuardDefaults = GuardDefaults()
 
     def as_record(self) -> dict[str, object]:
         """The settings as plain JSON values, for report headers."""
@@ -182,16 +284,10 @@ def _keys(value: Optional[str]) -> Optional[tuple[str, ...]]:
 
 def from_env(environ: Mapping[str, str]) -> Settings:
     """Settings from `KVGUARD` and the `KVGUARD_*` variables; every value is checked here."""
-    from kvguard._allow import parse_patterns
-
-    action = parse_action(environ.get("KVGUARD", ""), "the KVGUARD environment variable")
+    action = parse_action(read("KVGUARD", environ), env_source("KVGUARD"))
     if action == OFF:
         return Settings()
-    targets = parse_targets(environ.get("KVGUARD_TARGETS", ""))
-    report_dir = environ.get("KVGUARD_REPORT_DIR") or None
-    parse_max_events(environ.get("KVGUARD_MAX_EVENTS"))  # read by every guard; checked once here
-    return Settings(action, targets, report_dir, _keys(environ.get("KVGUARD_KEYS")),
-                    _keys(environ.get("KVGUARD_IGNORE")) or (),
-                    parse_patterns(environ.get("KVGUARD_ALLOW", ""), env_source("KVGUARD_ALLOW")),
-                    parse_calls(environ.get("KVGUARD_CALLS", "")),
-                    parse_level(environ.get("KVGUARD_LEVEL", "").strip() or "full", env_source("KVGUARD_LEVEL")))
+    targets = parse_targets(read("KVGUARD_TARGETS", environ))
+    defaults = guard_defaults(environ)
+    return Settings(action, targets, defaults.report_dir, defaults.keys, defaults.ignore or (), defaults.allow or (),
+                    defaults.calls or Calls(), defaults.level or "full", defaults)

@@ -14,9 +14,9 @@ An engine that cannot be had is one line on stderr, then the next one: never a c
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
+from kvguard import _config
 from kvguard._judge import WriteJudge
 
 ENGINES = ("compiled", "kernels", "mode")
@@ -28,7 +28,7 @@ _BUSY = " is in use by an active guard"
 
 def requested() -> Optional[str]:
     """The engine `KVGUARD_ENGINE` asks for, or None (auto); a bad value is one line, then auto."""
-    raw = os.environ.get("KVGUARD_ENGINE", "").strip().lower()
+    raw = _config.read("KVGUARD_ENGINE").lower()
     if raw in ("", "auto"):
         return None
     if raw in ENGINES:

@@ -5,6 +5,7 @@ Torch-free at import: the engine (`_engines`, `_judge`, `_protect`) loads when a
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import threading
@@ -14,7 +15,7 @@ from typing import Any, Callable, Collection, Literal, Optional, TypeVar
 from kvguard import _frames, _handlers, _ranks, _render, _reportfile
 from kvguard._allow import Allowlist
 from kvguard._allow import boundaries as allow_boundaries
-from kvguard._config import DEFAULT_MAX_EVENTS, parse_level
+from kvguard._config import DEFAULT_MAX_EVENTS, GuardDefaults, guard_defaults, parse_level
 from kvguard._errors import ConfigError, GuardWarning, MutationError, MutationWarning
 from kvguard._events import GuardReport, MutationEvent
 from kvguard._state import STATE
@@ -30,22 +31,31 @@ class Guard:
     happened. A guard can be entered once.
     """
 
-    def __init__(self, obj: Any, *, name: Optional[str] = None, action: str = "raise",
-                 keys: Optional[Collection[Any]] = None, ignore: Collection[Any] = (),
-                 allow: Collection[str] = (), report_dir: Optional[str | os.PathLike[str]] = None,
-                 target: Optional[str] = None, level: str = "full", fingerprint: Optional[bool] = None) -> None:
-        self.action = _check_action(action)
-        self.level = _check_level(level)
-        self.fingerprint = _fingerprint_default() if fingerprint is None else bool(fingerprint)
+    def __init__(self, obj: Any, *, name: Optional[str] = None, action: Optional[str] = "raise",
+                 keys: Optional[Collection[Any]] = None, ignore: Optional[Collection[Any]] = None,
+                 allow: Optional[Collection[str]] = None, report_dir: Optional[str | os.PathLike[str]] = None,
+                 target: Optional[str] = None, level: Optional[str] = None,
+                 fingerprint: Optional[bool] = None) -> None:
+        # Each option not given (None) is the `KVGUARD_*` setting, else the built-in default.
+        settings = _settings_for(target)
+        self.action = _check_action("raise" if action is None else action)
+        self.level = parse_level(level, "kvguard.guard(level=...)") if level is not None else settings.level or "full"
+        self.fingerprint = _fingerprint_default(settings) if fingerprint is None else bool(fingerprint)
         if self.level == "light" and not self.fingerprint:
-            raise ConfigError("kvguard.guard(level='light') finds changes by value fingerprints only; "
-                              "it cannot run with fingerprint=False (or KVGUARD_FINGERPRINT=0)")
+            raise ConfigError(f"kvguard.guard(level='light') finds changes by value fingerprints only; it cannot run "
+                              f"with {'fingerprint=False' if fingerprint is not None else 'KVGUARD_FINGERPRINT=0'}"
+                              + (" (level='light' from KVGUARD_LEVEL)" if level is None else ""))
+        self._keys_from = "keys=..." if keys is not None or settings.keys is None else "KVGUARD_KEYS"
+        keys = keys if keys is not None else settings.keys
+        ignore = ignore if ignore is not None else settings.ignore or ()
+        allow, allow_from = ((allow, "kvguard.guard(allow=...)") if allow is not None else
+                             (settings.allow or (), "the KVGUARD_ALLOW environment variable"))
         _check_target(obj)
         self.obj = obj
         self.name = name if name is not None else _caller_name(obj)
         self.keys = _as_keys(keys, "keys")
         self.ignore = _as_keys(ignore, "ignore") or ()
-        self.allow = Allowlist(allow, "kvguard.guard(allow=...)")
+        self.allow = Allowlist(allow, allow_from)
         self.report = GuardReport(name=self.name, action=self.action)
         self._attachment: Any = None  # the engine's hold on this guard (see `_engines`), level "full"
         self.engine: Optional[str] = None  # which engine finds its writes, once entered ("full" only)
@@ -70,7 +80,7 @@ class Guard:
         self._label = target or self.name
         self.call = 0  # this guard's number in the process, once entered
         # Events kept in `report`: all under record with no KVGUARD_MAX_EVENTS, else the cap.
-        cap = STATE.output()[1]
+        cap = settings.max_events
         self._keep = None if cap is None and self.action == "record" else DEFAULT_MAX_EVENTS if cap is None else cap
         self.protected_count = 0  # tensors protected over the guard's life (set at exit)
         # Set at exit when the guarded code did nothing here and an integration says it does
@@ -181,7 +191,7 @@ class Guard:
         """A `GuardWarning` when the guard may have looked at nothing."""
         missing = [k for k in self.keys or () if k not in self.keys_seen]
         if missing:
-            self._warn(f"kvguard.guard({self.name}, keys=...): {', '.join(map(repr, missing))} never appeared "
+            self._warn(f"kvguard.guard({self.name}, {self._keys_from}): {', '.join(map(repr, missing))} never appeared "
                        f"in {self.name} (it held {_key_list(self.keys_seen)}); nothing was protected under "
                        f"{'that name' if len(missing) == 1 else 'those names'}", GuardWarning)
         elif self.protected_count == 0:
@@ -195,7 +205,11 @@ class Guard:
             if filename is None:
                 site = self.exit_site or _frames.user_site()
                 filename, lineno = site.filename, site.lineno
-            warnings.warn_explicit(message, category, filename, lineno)
+            if category is MutationWarning:  # its panel is on stderr: no second display there
+                with _render.panel_replaces_display(message, category):
+                    warnings.warn_explicit(message, category, filename, lineno)
+            else:
+                warnings.warn_explicit(message, category, filename, lineno)
         except Exception as exc:  # noqa: BLE001 - a warnings filter set to "error", or a broken hook
             self.unraised_warnings.append(exc if isinstance(exc, Warning) else category(message))
             if category is not MutationWarning:  # a MutationWarning's panel is printed already
@@ -256,14 +270,14 @@ class Guard:
         if not event.blocked:
             self.report.allowed[allowed] = self.report.allowed.get(allowed, 0) + 1
             for tally in self._tallies:
-                tally.allow(allowed)
+                tally.allow(allowed, self._label)
         return True
 
     def _on_event(self, event: MutationEvent, at_exit: bool = False) -> None:
         if self._allowed(event):  # an intended write: it happens, counted once it has
             return
         for tally in self._tallies:
-            tally.add(event, self.call)
+            tally.add(event, self.call, self._label)
         if self._keep is None or len(self.report.events) < self._keep:
             self.report.events.append(event)
         else:
@@ -359,10 +373,15 @@ def _nothing_to_undo() -> None:
 
 
 def guard(obj: Any, *, name: Optional[str] = None, action: str = "raise",
-          keys: Optional[Collection[Any]] = None, ignore: Collection[Any] = (),
-          allow: Collection[str] = (), report_dir: Optional[str | os.PathLike[str]] = None,
-          level: str = "full", fingerprint: Optional[bool] = None) -> Guard:
+          keys: Optional[Collection[Any]] = None, ignore: Optional[Collection[Any]] = None,
+          allow: Optional[Collection[str]] = None, report_dir: Optional[str | os.PathLike[str]] = None,
+          level: Optional[str] = None, fingerprint: Optional[bool] = None) -> Guard:
     """Protect every tensor reachable from `obj` while the `with` block runs.
+
+    An option left at None takes its `KVGUARD_*` variable (`KVGUARD_KEYS`,
+    `KVGUARD_IGNORE`, `KVGUARD_ALLOW`, `KVGUARD_LEVEL`, `KVGUARD_FINGERPRINT`,
+    `KVGUARD_REPORT_DIR`) when it is set, else the default below; an argument given here
+    wins. A bad variable raises `ConfigError` naming it.
 
     Args:
         obj: a dict, list, tuple or tensor, nested at any depth. Tensors placed into its
@@ -372,17 +391,17 @@ def guard(obj: Any, *, name: Optional[str] = None, action: str = "raise",
         action: "raise" stops the write with `MutationError` before it happens; "warn"
             lets it happen and, for the first write at each site (line and op) in the
             process, warns and prints a report to stderr; "record" only fills `g.report`.
-        keys: protect only these top-level keys (or indices).
-        ignore: never protect these top-level keys (or indices).
+        keys: protect only these top-level keys (or indices); default: all.
+        ignore: never protect these top-level keys (or indices); default: none.
         allow: paths whose writes are intended, as reports print them, `[*]` for any
             list index (`"rollout_data['advantages'][*]"`): they happen, even under
             "raise", and are counted in `g.report.allowed` instead of reported.
-        report_dir: write report files here (default: `KVGUARD_REPORT_DIR`, if set).
-        level: "full" watches every op (attribution at the write, raise before it) and
-            checks values at the boundaries (exit, `g.check()`); "light" only checks
-            the boundaries: no per-op cost, no op attribution.
+        report_dir: write report files here; default: none.
+        level: "full" (the default) watches every op (attribution at the write, raise
+            before it) and checks values at the boundaries (exit, `g.check()`); "light"
+            only checks the boundaries: no per-op cost, no op attribution.
         fingerprint: compare each protected tensor's values (a digest taken when it is
-            protected) at the boundaries; None means on unless KVGUARD_FINGERPRINT=0.
+            protected) at the boundaries; default: on.
 
     Example::
 
@@ -400,10 +419,10 @@ def guarded(argname: str, *, name: Optional[str] = None, action: str = "raise",
             level: Optional[str] = None, fingerprint: Optional[bool] = None) -> Callable[[F], F]:
     """Decorator: guard the argument `argname` on every call of the function.
 
-    Options as for `guard()` (None: the guard's default). The last call's report is kept
-    on the wrapper as `fn.last_report`. Generator, coroutine and async generator
-    functions are guarded while their body runs, paused whenever it is suspended (see
-    `_calls`); the wrapper has the same form, for `asyncio` and `inspect`.
+    Options as for `guard()` (None: the `KVGUARD_*` setting, else the default). The last
+    call's report is kept on the wrapper as `fn.last_report`. Generator, coroutine and
+    async generator functions are guarded while their body runs, paused whenever it is
+    suspended (see `_calls`); the wrapper has the same form, for `asyncio` and `inspect`.
 
     Example::
 
@@ -417,15 +436,20 @@ def guarded(argname: str, *, name: Optional[str] = None, action: str = "raise",
         _check_level(level)
     if not isinstance(argname, str):
         raise TypeError(f"kvguard.guarded() takes the argument's name as a string, got {argname!r}")
+
     # Passed as given: an option left at None is the guard's own default.
     given = {option: value for option, value in (("keys", keys), ("ignore", ignore), ("allow", allow),
                                                 ("report_dir", report_dir), ("level", level),
                                                 ("fingerprint", fingerprint)) if value is not None}
 
     def decorate(fn: F) -> F:
+        numbers = itertools.count(1)
+
         def start(value: Any, arguments: dict[str, Any]) -> Optional[Guard]:
             if value is _calls.MISSING:
                 return None  # left at its default: nothing of the caller's to protect
+            if not _calls_selected(next(numbers), name or argname):
+                return None
             g = Guard(value, name=name or argname, action=action, **given)
             outer.last_report = g.report  # type: ignore[attr-defined]
             return g
@@ -435,6 +459,19 @@ def guarded(argname: str, *, name: Optional[str] = None, action: str = "raise",
         return outer
 
     return decorate
+
+
+def _calls_selected(number: int, label: str) -> bool:
+    """Whether `KVGUARD_CALLS` (as for env targets) selects call `number` of a `guarded` function.
+
+    A call it leaves out runs unguarded and is counted as such in the summaries.
+    """
+    selection = guard_defaults().calls
+    if selection is None or selection.selects(number):
+        return True
+    for stats in _reportfile.target_tallies(label):
+        stats.unguarded_calls += 1
+    return False
 
 
 def outside_dynamo(fn: F) -> F:
@@ -529,10 +566,29 @@ def _digest_text(digest: Any) -> str:
 
 
 def _check_level(level: Any) -> str:
-    """`full`: watch every op and check at the boundaries; `light`: boundaries only."""
+    """`full`: watch every op and check at the boundaries; `light`: boundaries only.
+
+    None (not given) is `KVGUARD_LEVEL`, else "full".
+    """
+    if level is None:
+        return guard_defaults().level or "full"
     return parse_level(level, "kvguard.guard(level=...)")
 
 
-def _fingerprint_default() -> bool:
+def _fingerprint_default(settings: Optional[GuardDefaults] = None) -> bool:
     """On, unless `KVGUARD_FINGERPRINT` says 0/off/false/no."""
-    return os.environ.get("KVGUARD_FINGERPRINT", "").strip().lower() not in ("0", "off", "false", "no")
+    settings = settings if settings is not None else guard_defaults()
+    return settings.fingerprint is not False
+
+
+def _settings_for(target: Optional[str]) -> GuardDefaults:
+    """The `KVGUARD_*` guard settings a new guard takes for the options it was not given.
+
+    An env target's guard keeps those read when activation started (checked then: a bad
+    one means no activation), so a variable changed later cannot fail the user's call.
+    Any other guard reads them now, and a bad value is a `ConfigError` naming the variable.
+    """
+    settings = STATE.settings
+    if target is not None and settings is not None and settings.active:
+        return settings.defaults  # type: ignore[no-any-return]
+    return guard_defaults()

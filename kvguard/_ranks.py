@@ -72,9 +72,21 @@ def _load_entry_points() -> None:
             try:
                 _taggers.append(ep.load())
             except Exception as exc:  # noqa: BLE001
-                sys.stderr.write(f"kvguard: rank tags from {ep.value} unavailable: {exc}\n")
+                if not _not_installed(exc, ep.module):
+                    sys.stderr.write(f"kvguard: rank tags from {ep.value} unavailable: {exc}\n")
     except Exception:  # noqa: BLE001
         pass
+
+
+def _not_installed(exc: BaseException, module: str) -> bool:
+    """Whether loading `module` failed only because it is absent (not an error: say nothing).
+
+    A source checkout on `PYTHONPATH` carries kvguard's metadata, which names the
+    `kvguard_megatron` integration, without the package itself. A module that is there
+    but fails to import (its own bug, or a dependency it lacks) is a real failure.
+    """
+    missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+    return bool(missing) and (module == missing or module.startswith(f"{missing}."))
 
 
 def rank_info() -> dict[str, Any]:

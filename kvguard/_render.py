@@ -6,10 +6,12 @@ event stays under 4 KiB, so a single write of it is atomic on a pipe shared by r
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+import warnings
+from typing import TYPE_CHECKING, Any, Iterator
 
 if TYPE_CHECKING:
     from kvguard._events import GuardReport, MutationEvent
@@ -158,13 +160,15 @@ def run_report(run: dict[str, Any], width: Any = None) -> str:
     ranks = run["ranks"]
     who = plural(len(ranks), "rank") if ranks else plural(run["processes"], "process", "processes")
     head = f"kvguard: run {run['run']} ({who}): {plural(run['calls'], 'guarded call')}, "
+    if run["protected"]:
+        head += f"{plural(run['protected'], 'tensor')} protected, "
     if run["status"] == "clean":
         head += "clean: no in-place writes to protected tensors"
     elif run["by"] == "event":
         head += f"{run['events_in_files']:,} of {plural(run['writes'], 'write')} in the files, by event"
     else:
         head += f"{plural(run['writes'], 'write')} at {plural(run['sites'], 'site')}"
-    lines = [head]
+    lines = [head] + [f"  {_target_line(row)}" for row in run.get("targets", ()) if row["calls"] or row["writes"]]
     if run["rows"]:
         lines.append(_site_table(run["rows"], width) if run["by"] == "site" else _event_table(run["rows"], width))
     lines += [f"  allowed: {plural(count, 'write')} by {reason}" for reason, count in run["allowed"].items()]
@@ -172,6 +176,18 @@ def run_report(run: dict[str, Any], width: Any = None) -> str:
         lines.append(f"  note: {plural(run['unguarded_calls'], 'call')} left unguarded by KVGUARD_CALLS")
     lines += [f"  note: {note}" for note in run["notes"]]
     return "\n".join(lines)
+
+
+def _target_line(row: dict[str, Any]) -> str:
+    """`m:f(rollout_data): 24 guarded calls, 1,344 tensors protected, no in-place writes`, across processes."""
+    from kvguard._tally import display_label, plural
+
+    line = f"{display_label(row['target'])}: {plural(row['calls'], 'guarded call')}"
+    if row["calls"]:
+        line += f", {plural(row['protected'], 'tensor')} protected"
+    if row["writes"] is not None:
+        line += f", {plural(row['writes'], 'write')}" if row["writes"] else ", no in-place writes"
+    return line
 
 
 def _site_table(rows: list[dict[str, Any]], width: Any) -> str:
@@ -229,6 +245,42 @@ def _ranges(ranks: list[int]) -> str:
         else:
             spans.append([rank, rank])
     return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
+
+
+@contextlib.contextmanager
+def panel_replaces_display(message: str, category: type[Warning]) -> Iterator[None]:
+    """Inside: Python's default display of this one warning is skipped (its panel was printed).
+
+    Only the default display, to stderr with nobody listening, repeats the panel's first
+    line. Whoever listens still gets the warning: filters (`-W error` makes it an
+    exception, `ignore` drops it), `warnings.catch_warnings(record=True)` and pytest's
+    capture (they replace the display), a custom `warnings.showwarning` (logging's
+    `captureWarnings`). Other warnings shown meanwhile (another thread) are displayed.
+    """
+    shown = getattr(warnings, "_showwarnmsg_impl", None)
+    if not _is_default_display(shown):
+        yield
+        return
+    assert shown is not None
+
+    def display(msg: Any) -> None:
+        if not (isinstance(msg.message, category) and str(msg.message) == message):
+            shown(msg)
+
+    setattr(warnings, "_showwarnmsg_impl", display)
+    try:
+        yield
+    finally:
+        if getattr(warnings, "_showwarnmsg_impl", None) is display:
+            setattr(warnings, "_showwarnmsg_impl", shown)
+
+
+def _is_default_display(shown: Any) -> bool:
+    """Whether warnings go to Python's own stderr display (no capture, no custom showwarning)."""
+    original = getattr(warnings, "_showwarning_orig", None)
+    return (original is not None and warnings.showwarning is original and callable(shown)
+            and getattr(shown, "__name__", "") == "_showwarnmsg_impl"
+            and getattr(shown, "__module__", "") in ("warnings", "_py_warnings"))
 
 
 def say(line: str) -> None:

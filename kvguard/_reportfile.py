@@ -115,6 +115,12 @@ def open_writer(report_dir: Optional[str | os.PathLike[str]] = None, start: bool
     return writer
 
 
+def target_tallies(label: str) -> list[Any]:
+    """The counts (`TargetStats`) of target or guard `label` for the process and its report directory."""
+    writer = open_writer(start=False)
+    return [STATE.target_stats(label)] + ([writer.tally.target(label)] if writer is not None else [])
+
+
 def writer_for(directory: str, source: str, cap: Optional[int] = None) -> Optional[ReportWriter]:
     """The writer for `directory` (created on first use), or None when it cannot be used.
 

@@ -101,35 +101,107 @@ def select(runs: list[Run], run_id: Optional[str], rank: Optional[int]) -> list[
 
 
 def describe(run: Run, by: str = "site") -> dict[str, Any]:
-    """A run as plain data: totals, its status, notes, and one row per site (or per event)."""
+    """A run as plain data: totals, its status, notes, and one row per site (or per event).
+
+    A run is clean only when every process proves it: a summary record whose counts agree
+    with its sites and its event records, guarded calls, protected tensors. A summary
+    that counts writes is never clean, whatever else its records hold or lack.
+    """
     processes = list(run.processes.values())
     summaries = [p.summary for p in processes if p.summary is not None]
     incomplete = [p for p in processes if p.summary is None]
     sites = _site_rows(processes)
-    writes = sum(row["writes"] for row in sites)
+    counted = sum(_written(p) for p in processes)
+    writes = max(counted, sum(row["writes"] for row in sites))
     calls = sum(p.summary["calls"] if p.summary is not None else len({e.get("call") for e in p.events})
                 for p in processes)
     allowed: dict[str, int] = {}
     for summary in summaries:
-        for reason, count in (summary.get("allowed") or {}).items():
-            allowed[reason] = allowed.get(reason, 0) + count
-    status = "events" if writes else "unproven" if incomplete or not calls else "clean"
+        reasons = summary.get("allowed")
+        for reason, count in (reasons.items() if isinstance(reasons, dict) else ()):
+            allowed[str(reason)] = allowed.get(str(reason), 0) + _count(count)
+    disagreements = [line for p in processes if p.summary is not None for line in _disagreements(p)]
+    protected = sum(_count(s.get("protected")) for s in summaries)
+    unprotected = [p for p in processes if p.summary is not None and _protected_nothing(p.summary)]
+    status = ("events" if writes or disagreements else
+              "unproven" if incomplete or not calls or unprotected else "clean")
     notes = [f"{_process_name(p)} wrote no summary record (killed, or still running): its counts are those of its "
              "event records" for p in incomplete]
-    cut = sum(s.get("events_cut", 0) for s in summaries)
+    notes += disagreements
+    notes += [f"{_process_name(p)} made {plural(p.summary['calls'], 'guarded call')} that protected no tensor: "
+              "nothing was checked" for p in unprotected if p.summary is not None]
+    cut = sum(_count(s.get("events_cut")) for s in summaries)
     if cut:
         notes.append(f"{plural(cut, 'event')} past KVGUARD_MAX_EVENTS are counted above but not in the files")
     if not calls:
         notes.append("no guarded call: nothing was checked")
-    notes += sorted({problem for s in summaries for problem in s.get("problems") or ()})
+    notes += sorted({str(problem) for s in summaries for problem in _listed(s.get("problems"))})
     return {
         "run": run.id, "status": status, "ranks": sorted({p.rank for p in processes if p.rank is not None}),
         "processes": len(processes), "calls": calls,
-        "unguarded_calls": sum(s.get("unguarded_calls", 0) for s in summaries),
-        "protected": sum(s.get("protected", 0) for s in summaries), "writes": writes, "sites": len(sites),
+        "unguarded_calls": sum(_count(s.get("unguarded_calls")) for s in summaries),
+        "protected": protected, "writes": writes, "sites": len(sites), "targets": _target_rows(summaries),
         "allowed": allowed, "events_in_files": sum(len(p.events) for p in processes), "events_cut": cut,
         "notes": notes, "by": by, "rows": sites if by == "site" else _event_rows(processes),
     }
+
+
+def _listed(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value] if isinstance(value, str) and value else []
+
+
+def _count(value: Any) -> int:
+    """A count from a record: a whole number >= 0, else 0 (a field missing, or written by hand)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _written(process: Process) -> int:
+    """The writes a process counted: its summary's, else its event records'."""
+    return _count(process.summary["writes"]) if process.summary is not None else len(process.events)
+
+
+def _site_writes(summary: Record) -> int:
+    return sum(_count(site.get("writes")) for site in summary["sites"] if isinstance(site, dict))
+
+
+def _disagreements(process: Process) -> list[str]:
+    """Each way a process's summary contradicts itself or its event records (never clean)."""
+    summary, name = process.summary, _process_name(process)
+    assert summary is not None
+    counted, at_sites, events = _count(summary["writes"]), _site_writes(summary), len(process.events)
+    lines = []
+    if counted > at_sites:
+        lines.append(f"{name}'s summary counts {plural(counted, 'write')}, but its sites record "
+                     f"{at_sites:,}: the writes were counted but their sites were not recorded")
+    elif at_sites > counted:
+        lines.append(f"{name}'s summary lists sites with {plural(at_sites, 'write')}, but counts {counted:,}")
+    if events > max(counted, at_sites):
+        lines.append(f"{name} has {plural(events, 'event record')} in the files, but its summary counts "
+                     f"{plural(max(counted, at_sites), 'write')}")
+    return lines
+
+
+def _protected_nothing(summary: Record) -> bool:
+    """A summary of guarded calls that protected no tensor (a clean run must have watched something)."""
+    return _count(summary["calls"]) > 0 and "protected" in summary and _count(summary.get("protected")) == 0 \
+        and not _count(summary["writes"])
+
+
+def _target_rows(summaries: list[Record]) -> list[dict[str, Any]]:
+    """Per target (or guard name), across processes: guarded calls and tensors protected."""
+    rows: dict[str, dict[str, Any]] = {}
+    for summary in summaries:
+        targets = summary.get("targets")
+        for label, stats in (targets.items() if isinstance(targets, dict) else ()):
+            if not isinstance(stats, dict):
+                continue
+            row = rows.setdefault(str(label), {"target": str(label), "calls": 0, "protected": 0, "writes": 0})
+            for name in ("calls", "protected", "writes"):
+                if row[name] is not None:
+                    row[name] += _count(stats.get(name))
+            if "writes" not in stats:  # written by kvguard 0.2: per-target writes unknown
+                row["writes"] = None
+    return list(rows.values())
 
 
 def _site_rows(processes: list[Process]) -> list[dict[str, Any]]:
@@ -141,7 +213,8 @@ def _site_rows(processes: list[Process]) -> list[dict[str, Any]]:
             if not isinstance(site, dict):
                 continue
             key = (site.get("filename"), site.get("lineno"), site.get("op"))
-            first = {**(site.get("first") or {}), "rank": process.rank}
+            given = site.get("first")
+            first = {**(given if isinstance(given, dict) else {}), "rank": process.rank}
             row = rows.get(key)
             if row is None:
                 row = rows[key] = {
@@ -149,9 +222,10 @@ def _site_rows(processes: list[Process]) -> list[dict[str, Any]]:
                     "kind": site.get("kind"), "code": site.get("code"), "paths": {}, "writes": 0, "blocked": 0,
                     "calls": 0, "ranks": set(), "first": first}
             for name in ("writes", "blocked", "calls"):
-                row[name] += int(site.get(name) or 0)
-            for path, count in (site.get("paths") or {}).items():
-                row["paths"][path] = row["paths"].get(path, 0) + count
+                row[name] += _count(site.get(name))
+            paths = site.get("paths")
+            for path, count in (paths.items() if isinstance(paths, dict) else ()):
+                row["paths"][path] = row["paths"].get(path, 0) + _count(count)
             if process.rank is not None:
                 row["ranks"].add(process.rank)
             if _order(first) < _order(row["first"]):

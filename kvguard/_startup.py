@@ -25,7 +25,7 @@ def activate() -> None:
     program runs unguarded.
     """
     global _activated
-    if _activated or os.environ.get("KVGUARD", "").strip() in ("", "0"):
+    if _activated or os.environ.get("KVGUARD", "").strip() in ("", "0") or _is_kvguard_command():
         return
     _activated = True
     try:
@@ -34,6 +34,26 @@ def activate() -> None:
         from kvguard._render import say
 
         say(f"kvguard: not activated: {exc}")
+
+
+def _is_kvguard_command() -> bool:
+    """Whether this interpreter runs kvguard's own command line (`python -m kvguard ...`, `kvguard ...`).
+
+    That process is not the job: `kvguard report` or `build` with `KVGUARD` exported must not
+    print a summary of its own, nor `kvguard run` a second "not activated" line before the
+    job it starts says its own. Read from `sys.orig_argv`, which is set before `.pth` files run.
+    """
+    argv = list(getattr(sys, "orig_argv", None) or [])[1:]
+    while argv:
+        arg = argv.pop(0)
+        if arg in ("-W", "-X"):
+            argv[:1] = []
+        elif arg == "-m" or (arg.startswith("-m") and len(arg) > 2):
+            module = arg[2:] or (argv[0] if argv else "")
+            return module in ("kvguard", "kvguard.__main__")
+        elif arg == "-c" or not arg.startswith("-"):  # a command, or the script: kvguard's console script?
+            return arg != "-c" and os.path.basename(arg) in ("kvguard", "kvguard.exe")
+    return False
 
 
 def not_activated_hint() -> "str | None":

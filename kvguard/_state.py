@@ -32,13 +32,15 @@ class State:
         return self.tally.target(target)
 
     def output(self) -> tuple[Optional[str], Optional[int]]:
-        """`KVGUARD_REPORT_DIR` and `KVGUARD_MAX_EVENTS` (None when unset), for every guard.
+        """`KVGUARD_REPORT_DIR` and `KVGUARD_MAX_EVENTS` (None when unset), for report writers.
 
-        Read again when the variables change; a bad cap is one line, then the default.
+        Read again when the variables change. Guards refuse bad settings when they are
+        made; here, where a report is being written, a bad cap is one line, then the default.
         """
-        raw = (os.environ.get("KVGUARD_REPORT_DIR") or None, os.environ.get("KVGUARD_MAX_EVENTS"))
+        from kvguard import _config
+
+        raw = (_config.read("KVGUARD_REPORT_DIR") or None, _config.read("KVGUARD_MAX_EVENTS"))
         if raw != self._output[0]:
-            from kvguard import _config
             from kvguard._errors import ConfigError
 
             try:

@@ -18,13 +18,14 @@ from pathlib import Path
 
 import pytest
 
+import kvguard
 import kvguard.__main__ as cli
 from kvguard._events import MutationEvent
 from kvguard._reportfile import ReportWriter
 
 ROOT = Path(__file__).resolve().parent.parent
 # The one line kvguard prints in a process that made one clean guarded call.
-CLEAN_SUMMARY = re.compile(r"kvguard: 1 guarded call, no in-place writes\n")
+CLEAN_SUMMARY = re.compile(r"kvguard: cleanjob:step\(batch\): 1 guarded call, 1 tensor protected, no in-place writes\n")
 CLEAN_JOB = "def step(batch):\n    return sorted(batch)\n"
 DIRTY_JOB = "def step(batch):\n    batch['x'].add_(1)\n"
 
@@ -227,8 +228,8 @@ def test_action_option_sets_the_canonical_spelling(no_exec: list[dict[str, str]]
 
 # 5. `build` and `engines`: the compiled write hook ahead of time, and which engine would run.
 
-BUILD_LINE = re.compile(r"kvguard: building the compiled write hook for torch \S+ \(once per torch version, "
-                        r"about 20 s\) into \S+\n")
+BUILD_LINE = re.compile(r"kvguard: building the compiled write hook for torch \S+ \(once per torch version; "
+                        r"compiling takes about 20 s, 15 s of CPU\) into \S+\n")
 NOT_AVAILABLE = "kvguard: the compiled write hook is not available: "
 
 
@@ -360,3 +361,92 @@ def test_engines_without_a_compiler(plain_python: Path, tmp_path: Path, requeste
                                   "set CXX to a C++ compiler)", "kernels": "available", "mode": "available"}
     assert last == f"a guard would use: kernels ({why})"
     assert not (tmp_path / "cache").exists()
+
+
+# 6. A source checkout: kvguard's metadata names integrations that are not installed there.
+
+@pytest.fixture
+def checkout_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A venv whose only kvguard is this source checkout on PYTHONPATH: `kvguard.egg-info`'s
+    rank-tag entry point names `kvguard_megatron`, which is not importable from it."""
+    home = tmp_path_factory.mktemp("checkout-venv")
+    venv.EnvBuilder(with_pip=False).create(home)
+    python = home / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    (site / "00-test-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    probe = run(python, "-c", "import importlib.util as u; print(u.find_spec('kvguard_megatron'))", cwd=home)
+    assert probe.stdout == "None\n", "the integration must not be importable in this venv"
+    return python
+
+
+def test_run_from_a_checkout_without_the_integration_is_quiet(checkout_python: Path, job: Path) -> None:
+    result = kvguard_run(checkout_python, "--targets", "cleanjob:step(batch)",
+                         code="import cleanjob, torch; cleanjob.step({'t': torch.ones(1)})", cwd=job)
+    assert result.returncode == 0, result.stderr
+    assert CLEAN_SUMMARY.fullmatch(result.stderr), result.stderr  # no "rank tags ... unavailable"
+
+
+def test_install_pth_from_a_checkout_without_the_integration_is_quiet(checkout_python: Path, job: Path) -> None:
+    installed = run(checkout_python, "-m", "kvguard", "install-pth", cwd=job)
+    assert installed.returncode == 0 and installed.stderr == "", installed.stderr
+    result = run(checkout_python, "-c", "import cleanjob, torch; cleanjob.step({'t': torch.ones(1)})", cwd=job,
+                 env={"KVGUARD": "warn", "KVGUARD_TARGETS": "cleanjob:step(batch)"}, pythonpath=(ROOT, job))
+    assert CLEAN_SUMMARY.fullmatch(result.stderr), result.stderr
+
+
+def _tag_distribution(where: Path, name: str, module_source: str | None) -> None:
+    """An installed distribution registering `NAME:rank_tags` as kvguard rank tags (its module optional)."""
+    info = where / f"{name}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[kvguard.rank_tags]\n{name} = {name}:rank_tags\n")
+    if module_source is not None:
+        (where / f"{name}.py").write_text(module_source)
+
+
+def test_a_broken_installed_integration_is_one_line_an_absent_one_none(plain_python: Path, job: Path,
+                                                                       tmp_path: Path) -> None:
+    plugins = tmp_path / "plugins"
+    _tag_distribution(plugins, "ghosttags", None)  # metadata only: not installed here
+    _tag_distribution(plugins, "brokentags", "import kvguard_no_such_dependency\n")  # installed, but broken
+    _tag_distribution(plugins, "goodtags", "def rank_tags():\n    return {'zone': 'b'}\n")
+    result = kvguard_run(plain_python, "--targets", "dirtyjob:step(batch)", "--action", "record",
+                         code="import dirtyjob, torch; dirtyjob.step({'x': torch.ones(1)})", cwd=job,
+                         env={"RANK": "0", "WORLD_SIZE": "1"}, pythonpath=(ROOT, plugins))
+    lines = result.stderr.splitlines()
+    assert [line for line in lines if "rank tags" in line] == [
+        "kvguard: rank tags from brokentags:rank_tags unavailable: No module named 'kvguard_no_such_dependency'"]
+    assert "ghosttags" not in result.stderr
+    assert lines[1].startswith("kvguard [rank 0/1 zone=b]: dirtyjob:step(batch): 1 guarded call"), lines
+
+
+# 7. --version.
+
+@pytest.mark.parametrize("command", [["-m", "kvguard"], ["-c", "import sys, kvguard.__main__ as m; "
+                                                                "sys.argv[0] = 'kvguard'; sys.exit(m.main())"]])
+def test_version_is_printed(plain_python: Path, tmp_path: Path, command: list[str]) -> None:
+    import torch
+
+    result = run(plain_python, *command, "--version", cwd=tmp_path)
+    assert result.returncode == 0 and result.stderr == ""
+    assert result.stdout == f"kvguard {kvguard.__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})\n"
+
+
+def test_version_flag_without_a_command_is_still_a_usage_error(plain_python: Path, tmp_path: Path) -> None:
+    result = run(plain_python, "-m", "kvguard", cwd=tmp_path)
+    assert result.returncode == 2 and "required: command" in result.stderr
+
+
+def test_the_readme_and_the_build_line_give_one_build_time() -> None:
+    """What the first guard prints while it builds and what the README says are the same figures."""
+    import inspect
+
+    from kvguard import _build
+
+    printed = re.search(r"compiling takes about (\d+) s, (\d+) s of CPU", inspect.getsource(_build._compile))
+    assert printed is not None
+    readme = (ROOT / "README.md").read_text()
+    assert f"the C++ compile takes about\n{printed[1]} s, {printed[2]} s of CPU time" in readme
+    assert "python -m kvguard build\n--rebuild` took" in readme  # and says what was measured
+    assert "about 15 s" not in readme

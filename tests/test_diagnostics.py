@@ -37,7 +37,7 @@ def test_this_install_ships_the_pth_file() -> None:
     assert pth.exists(), "reinstall kvguard (pip install -e .): this environment has no kvguard.pth"
     result = run("train.py", env={"KVGUARD": "warn", "KVGUARD_TARGETS": TARGET})
     assert "rollout_data['kl'][0] was modified in place by aten.mul_.Tensor" in result.stderr
-    assert result.stderr.endswith("kvguard: 2 guarded calls, 4 writes at 1 site\n"
+    assert result.stderr.endswith(f"kvguard: {TARGET}: 2 guarded calls, 12 tensors protected, 4 writes at 1 site\n"
                                   "  trainer_loss.py:10 aten.mul_.Tensor: 4 writes to rollout_data['kl'][*] in 2 calls "
                                   "(first: rollout_data['kl'][0], call 1)\n")
 
@@ -78,7 +78,7 @@ def test_every_way_of_being_off_is_named(tmp_path: Path) -> None:
         "kvguard: target argjob:takes_namespace(args): args holds argparse.Namespace, whose contents kvguard "
         "does not walk (it walks mappings, sequences, dataclasses, SimpleNamespaces and pytree nodes), so its "
         "calls run unguarded; no parameter of the first call held a tensor",  # said at the first call
-        "kvguard: 1 guarded call, 1 write at 1 site",
+        "kvguard: argjob:takes_tensors(rollout_data): 1 guarded call, 1 tensor protected, 1 write at 1 site",
         "  argjob.py:6 aten.mul_.Tensor: 1 write to rollout_data['kl'] in 1 call (first: rollout_data['kl'], call 1)",
         "kvguard: target fakerl.los:compute_advantages_and_returns was never imported "
         "(no module named 'fakerl')",
@@ -114,7 +114,7 @@ def test_an_unusable_report_dir_is_one_line_at_start_and_the_job_runs_on(tmp_pat
     assert result.returncode == 0 and "train done" in result.stdout
     assert result.stderr == (f"kvguard: KVGUARD_REPORT_DIR={str(report_dir)!r} cannot be used ({reason}); "
                              "the job runs on without report files\n"
-                             "kvguard: 2 guarded calls, 4 writes at 1 site\n"
+                             f"kvguard: {TARGET}: 2 guarded calls, 12 tensors protected, 4 writes at 1 site\n"
                              "  trainer_loss.py:10 aten.mul_.Tensor: 4 writes to rollout_data['kl'][*] in 2 calls "
                              "(first: rollout_data['kl'][0], call 1)\n"
                              "kvguard: KVGUARD=record kept 4 events in memory only; set KVGUARD_REPORT_DIR=DIR "
@@ -139,7 +139,7 @@ def test_a_report_dir_that_breaks_mid_job_never_replaces_the_mutation_error(tmp_
     lines = result.stderr.splitlines()
     assert lines[0].startswith(f"kvguard: writing report files to {str(reports)!r} failed (")
     assert lines[0].endswith("); it gets no further events")
-    assert lines[1:] == ["kvguard: 1 guarded call, 1 write at 1 site",
+    assert lines[1:] == [f"kvguard: {TARGET}: 1 guarded call, 6 tensors protected, 1 write at 1 site",
                          "  trainer_loss.py:10 aten.mul_.Tensor: 1 write blocked to rollout_data['kl'][*] in 1 call "
                          "(first: rollout_data['kl'][0], call 1)"]
 
@@ -206,8 +206,9 @@ def test_static_and_class_method_targets(tmp_path: Path) -> None:
         "KVGUARD": "record", "KVGUARD_REPORT_DIR": str(tmp_path / "r"),
         "KVGUARD_TARGETS": "methods:Loss.shape(rollout_data),methods:Loss.shape_cls(rollout_data)"})
     assert result.stderr == (
-        "kvguard: 3 guarded calls, 3 writes at 2 sites\n"
+        "kvguard: methods:Loss.shape(rollout_data): 2 guarded calls, 2 tensors protected, 2 writes at 1 site\n"
         "  methods.py:7 aten.mul_.Tensor: 2 writes to rollout_data['kl'] in 2 calls (first: rollout_data['kl'], call 1)\n"
+        "kvguard: methods:Loss.shape_cls(rollout_data): 1 guarded call, 1 tensor protected, 1 write at 1 site\n"
         "  methods.py:11 aten.add_.Tensor: 1 write to rollout_data['kl'] in 1 call (first: rollout_data['kl'], call 3)\n")
 
 
@@ -227,3 +228,87 @@ def test_light_level_from_the_environment(tmp_path: Path) -> None:
     bad = run("train.py", env={"KVGUARD": "warn", "KVGUARD_TARGETS": TARGET, "KVGUARD_LEVEL": "featherweight"})
     assert ("invalid level 'featherweight' from the KVGUARD_LEVEL environment variable; expected full or light"
             in bad.stderr) and "train done" in bad.stdout
+
+
+# -- under warn, one report per site on stderr; the warning still reaches whoever listens -----
+
+WARN_JOB = """
+import logging, sys, warnings, torch, kvguard
+rd = {"kl": torch.ones(2)}
+with kvguard.guard(rd, name="rd", action="warn"):
+    for _ in range(3):
+        rd["kl"].mul_(2)           # one site: shown once, the other writes counted
+print("done")
+"""
+
+
+def _warn_job(tmp_path: Path, *flags: str, code: str = WARN_JOB) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "warnjob.py").write_text(code)
+    return run(*flags, "warnjob.py", cwd=tmp_path, env={})
+
+
+@pytest.mark.parametrize("flags", [[], ["-W", "always"], ["-W", "default::kvguard.MutationWarning"]])
+def test_warn_prints_the_panel_and_no_default_warning_display(tmp_path: Path, flags: list[str]) -> None:
+    result = _warn_job(tmp_path, *flags)
+    assert result.returncode == 0 and result.stdout == "done\n", result.stderr
+    assert result.stderr.count("rd['kl'] was modified in place by aten.mul_.Tensor") == 1, result.stderr
+    assert "MutationWarning" not in result.stderr and "UserWarning" not in result.stderr
+
+
+def test_warn_under_w_error_is_no_exception_and_one_panel(tmp_path: Path) -> None:
+    result = _warn_job(tmp_path, "-W", "error")
+    assert result.returncode == 0 and result.stdout == "done\n", result.stderr
+    assert result.stderr.count("was modified in place") == 1 and "Traceback" not in result.stderr
+
+
+def test_the_warning_still_reaches_catch_warnings_and_logging(tmp_path: Path) -> None:
+    code = """
+import logging, sys, warnings, torch, kvguard
+rd = {"kl": torch.ones(2), "x": torch.ones(2)}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with kvguard.guard(rd, name="rd", action="warn"):
+        rd["kl"].mul_(2)
+print("recorded:", [(w.category.__name__, str(w.message)) for w in caught])
+logging.basicConfig(stream=sys.stdout, format="logged %(message)s")
+logging.captureWarnings(True)      # a custom showwarning: a listener of its own
+with kvguard.guard(rd, name="rd", action="warn"):
+    rd["x"].add_(1)
+logging.captureWarnings(False)
+warnings.warn("unrelated")         # other warnings keep Python's display
+"""
+    result = _warn_job(tmp_path, code=code)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == ("recorded: [('MutationWarning', \"rd['kl'] was modified in place by aten.mul_.Tensor at "
+                        "warnjob.py:7\")]")
+    assert lines[1].startswith("logged ") and "MutationWarning: rd['x'] was modified in place" in lines[1]
+    assert result.stderr.count("kvguard: in-place write") == 2
+    assert "UserWarning: unrelated" in result.stderr and "MutationWarning" not in result.stderr
+
+
+def test_a_guard_warning_keeps_its_default_display(tmp_path: Path) -> None:
+    """Only a MutationWarning has a panel: a GuardWarning is shown by Python as any warning."""
+    result = _warn_job(tmp_path, code="import kvguard\nwith kvguard.guard({}, name='rd', action='warn'):\n    pass\n")
+    assert "GuardWarning: kvguard.guard(rd) protected no tensor" in result.stderr
+
+
+def test_in_pytest_the_warning_is_in_the_warnings_summary_and_error_never_breaks_the_op(tmp_path: Path) -> None:
+    (tmp_path / "test_w.py").write_text(textwrap.dedent("""
+        import torch, kvguard
+
+        def test_explicit_guard():
+            rd = {"kl": torch.ones(2)}
+            with kvguard.guard(rd, name="rd", action="warn") as g:
+                rd["kl"].mul_(2)
+            assert rd["kl"].tolist() == [2.0, 2.0] and len(g.report.events) == 1
+    """))
+    base = [sys.executable, "-m", "pytest", "-q", "-rP", "-p", "no:cacheprovider", "test_w.py"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGUARD", "PYTHON"))}
+    for flag in ("default", "error::kvguard.MutationWarning"):
+        result = subprocess.run(base + ["-W", flag], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                                env=env)
+        assert "1 passed" in result.stdout, result.stdout
+        assert result.stdout.count("kvguard: in-place write") == 1  # the captured panel, once (-rP shows it)
+        summary = "MutationWarning: rd['kl'] was modified in place by aten.mul_.Tensor at test_w.py:7"
+        assert (summary in result.stdout) == (flag == "default"), result.stdout

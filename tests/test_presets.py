@@ -286,7 +286,8 @@ def test_slime_preset_alone_catches_the_v031_kl_bug_under_raise() -> None:
     assert tail[5:] == [
         "  action   raised before the write; the data is intact",
         "  hint     write to a new tensor (k = k * c) or clone first (k = k.clone())",
-        "kvguard: 1 guarded call, 1 write at 1 site",
+        "kvguard: slime.backends.megatron_utils.loss:compute_advantages_and_returns(rollout_data): 1 guarded call, "
+        "10 tensors protected, 1 write at 1 site",
         f"  loss.py:{bug} aten.mul_.Tensor: 1 write blocked to rollout_data['kl'][*] in 1 call "
         "(first: rollout_data['kl'][0], call 1)",
     ]
@@ -311,7 +312,11 @@ def test_slime_at_624b824a_moved_log_rollout_data_and_is_clean(tmp_path: Path) -
         "from slime.backends.megatron_utils import data", "from slime.observability import train_metric_utils as data"))
     result = run(job, env={"KVGUARD": "warn", "KVGUARD_TARGETS": "slime"}, path=root)
     assert result.returncode == 0 and result.stdout.startswith("logged rollout/kl -0.1214, true KL -0.1214")
-    assert result.stderr == "kvguard: 2 guarded calls, no in-place writes\n"
+    assert result.stderr == (  # a clean run names what it watched, per function of the preset
+        "kvguard: slime.observability.train_metric_utils:log_rollout_data(rollout_data): 1 guarded call, "
+        "14 tensors protected, no in-place writes\n"
+        "kvguard: slime.backends.megatron_utils.loss:compute_advantages_and_returns(rollout_data): 1 guarded call, "
+        "14 tensors protected, no in-place writes\n")
 
 
 def test_verl_preset_walks_dataproto_into_its_tensordict() -> None:
@@ -320,9 +325,14 @@ def test_verl_preset_walks_dataproto_into_its_tensordict() -> None:
     result = run(job, "--estimator", "scaled", env={"KVGUARD": "warn", "KVGUARD_TARGETS": "verl"})
     assert result.returncode == 0
     assert result.stderr.endswith(
-        "kvguard: 3 guarded calls, 1 write at 1 site\n"
+        "kvguard: verl.trainer.ppo.ray_trainer:apply_kl_penalty(data): 1 guarded call, 7 tensors protected, "
+        "no in-place writes\n"
+        "kvguard: verl.trainer.ppo.ray_trainer:compute_advantage(data): 1 guarded call, 8 tensors protected, "
+        "1 write at 1 site\n"
         f"  verl_ppo.py:{bug} aten.mul_.Tensor: 1 write to data.batch['token_level_rewards'] in 1 call "
-        "(first: data.batch['token_level_rewards'], call 3)\n")
+        "(first: data.batch['token_level_rewards'], call 3)\n"
+        "kvguard: verl.trainer.ppo.rollout_corr_helper:compute_rollout_correction_and_add_to_batch(batch): "
+        "1 guarded call, 9 tensors protected, no in-place writes\n")
 
 
 def test_openrlhf_intended_penalty_writes_are_allowed_as_the_preset_says() -> None:
@@ -330,8 +340,12 @@ def test_openrlhf_intended_penalty_writes_are_allowed_as_the_preset_says() -> No
     result = run(JOBS / "openrlhf_ppo.py", "--overlong", env={"KVGUARD": "raise", "KVGUARD_TARGETS": "openrlhf",
                                                               "KVGUARD_ALLOW": allow})
     assert result.returncode == 0 and result.stdout == "rollout/reward_mean 0.0000\n"
-    assert result.stderr == ("kvguard: 2 guarded calls, no in-place writes, 2 allowed\n"
-                             "  allowed: 2 writes by allow=experiences[*].rewards\n")
+    assert result.stderr == (
+        "kvguard: openrlhf.trainer.ppo_trainer:BasePPOTrainer._compute_rollout_stats(experiences): 1 guarded call, "
+        "22 tensors protected, no in-place writes\n"
+        "kvguard: openrlhf.trainer.ppo_utils.experience_maker:RemoteExperienceMaker.compute_advantages_and_returns"
+        "(experiences): 1 guarded call, 25 tensors protected, no in-place writes, 2 allowed\n"
+        "  allowed: 2 writes by allow=experiences[*].rewards\n")
     result = run(JOBS / "openrlhf_ppo.py", "--overlong", env={"KVGUARD": "raise", "KVGUARD_TARGETS": "openrlhf"})
     assert result.returncode == 1
     assert "kvguard.MutationError: experiences[0].rewards would be modified in place by aten.add_.Tensor" in result.stderr
@@ -371,8 +385,12 @@ def test_functions_missing_in_older_versions_are_one_line_each_at_exit(tmp_path:
     (tmp_path / "job.py").write_text(textwrap.dedent(OLD_VERSIONS_JOB))
     result = run(tmp_path / "job.py", env={"KVGUARD": "warn", "KVGUARD_TARGETS": "verl,nemo-rl,openrlhf"}, path=root)
     assert result.returncode == 0 and result.stdout == "job done\n"
-    assert result.stderr.splitlines() == [
-        "kvguard: 3 guarded calls, no in-place writes",
+    lines = result.stderr.splitlines()
+    heads = [line for line in lines if "guarded call" in line]
+    assert heads[0] == "kvguard: verl.trainer.ppo.ray_trainer:apply_kl_penalty(data): 1 guarded call, 6 tensors " \
+                       "protected, no in-place writes"
+    assert len(heads) == 3 and all(", no in-place writes" in line for line in heads), heads
+    assert lines[len(heads):] == [
         "kvguard: preset verl: verl.trainer.ppo.rollout_corr_helper:compute_rollout_correction_and_add_to_batch(batch) "
         "is not in verl 0.6.0 (no module named 'verl.trainer.ppo.rollout_corr_helper'); not guarded",
         "kvguard: preset nemo-rl: nemo_rl.algorithms.advantage_estimator:GeneralizedAdvantageEstimator."

@@ -53,5 +53,5 @@ def test_demo_then_tests_then_env_var_section(tmp_path: Path) -> None:
     result = subprocess.run(["bash", "-c", "set -e\n" + block], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=300)
     assert "rollout_data['kl'][0] was modified in place by aten.mul_.Tensor" in result.stderr, result.stderr
-    assert "kvguard: 2 guarded calls" in result.stderr
+    assert "kvguard: trainer_loss:compute_advantages_and_returns(rollout_data): 2 guarded calls" in result.stderr
     assert "rollout_data['kl'][0]" in result.stdout, result.stdout  # `kvguard report reports`: the table

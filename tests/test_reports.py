@@ -75,9 +75,11 @@ def test_long_job_prints_one_panel_per_site_and_a_short_bounded_report(tmp_path:
     result = job(reports)  # 256 samples x 10 calls, 5,120 writes at 2 lines
     assert "logged KL intact in 0/10 steps" in result.stdout
     err = result.stderr
-    assert err.count("kvguard: in-place write") == 2 and err.count("MutationWarning") == 2
+    assert err.count("kvguard: in-place write") == 2 and err.count("MutationWarning") == 0  # one report per site
+    protected = records(reports)[-1]["protected"]
+    assert protected > 10 * 256
     assert err.endswith("\n".join([
-        "kvguard: 10 guarded calls, 5,120 writes at 2 sites",
+        f"kvguard: {TARGET}: 10 guarded calls, {protected:,} tensors protected, 5,120 writes at 2 sites",
         site_line(MUL, "aten.mul_.Tensor", "2,560", 10), site_line(ADD, "aten.add_.Tensor", "2,560", 10)]) + "\n")
     assert len(err.splitlines()) < 40
     (file,) = reports.iterdir()
@@ -91,7 +93,9 @@ def test_long_job_prints_one_panel_per_site_and_a_short_bounded_report(tmp_path:
     table = report(reports)
     assert table.returncode == 1, table.stderr
     lines = table.stdout.splitlines()
-    assert re.fullmatch(r"kvguard: run \S+ \(1 process\): 10 guarded calls, 5,120 writes at 2 sites", lines[0])
+    assert re.fullmatch(rf"kvguard: run \S+ \(1 process\): 10 guarded calls, {protected:,} tensors protected, "
+                        r"5,120 writes at 2 sites", lines[0])
+    assert lines[1] == f"  {TARGET}: 10 guarded calls, {protected:,} tensors protected, 5,120 writes"
     assert sum(f"ppo_loss.py:{n} aten." in table.stdout for n in (MUL, ADD)) == 2
     assert "5,020 events past KVGUARD_MAX_EVENTS are counted above but not in the files" in table.stdout
     (described,) = json.loads(report(reports, "--json").stdout)["runs"]
@@ -104,13 +108,14 @@ def test_long_job_prints_one_panel_per_site_and_a_short_bounded_report(tmp_path:
 def test_fixed_job_leaves_a_header_and_summary_that_prove_it_clean(tmp_path: Path) -> None:
     reports = tmp_path / "reports"
     result = job(reports, "--fixed", "--samples", "8", "--steps", "3")
-    assert result.stderr == "kvguard: 3 guarded calls, no in-place writes\n"
+    assert result.stderr == f"kvguard: {TARGET}: 3 guarded calls, 96 tensors protected, no in-place writes\n"
     header, summary = records(reports)
     assert (header["record"], summary["record"]) == ("header", "summary")
     assert summary["calls"] == 3 and summary["writes"] == 0 and summary["protected"] > 0
     table = report(reports)
     assert table.returncode == 0, table.stdout + table.stderr
-    assert table.stdout.endswith("3 guarded calls, clean: no in-place writes to protected tensors\n")
+    assert table.stdout.endswith("3 guarded calls, 96 tensors protected, clean: no in-place writes to protected "
+                                 f"tensors\n  {TARGET}: 3 guarded calls, 96 tensors protected, no in-place writes\n")
 
 
 # -- grouping and caps -----------------------------------------------------------------------
@@ -146,7 +151,7 @@ def test_report_keeps_events_up_to_the_cap_and_counts_the_rest(monkeypatch: pyte
 def test_file_cap_keeps_counts_exact(tmp_path: Path) -> None:
     reports = tmp_path / "reports"
     result = job(reports, "--samples", "8", "--steps", "2", action="record", KVGUARD_MAX_EVENTS="5")
-    assert "kvguard: 2 guarded calls, 32 writes at 2 sites" in result.stderr
+    assert f"kvguard: {TARGET}: 2 guarded calls, 64 tensors protected, 32 writes at 2 sites" in result.stderr
     events = [r for r in records(reports) if r["record"] == "event"]
     summary = records(reports)[-1]
     assert len(events) == 5 and (summary["writes"], summary["events_cut"]) == (32, 27)
@@ -169,8 +174,8 @@ def test_two_launches_into_one_directory_stay_two_runs(tmp_path: Path) -> None:
     table = report(reports)
     assert table.returncode == 1
     heads = [line for line in table.stdout.splitlines() if line.startswith("kvguard: run")]
-    assert heads == [f"kvguard: run {runs[0]} (1 process): 2 guarded calls, 16 writes at 2 sites",
-                     f"kvguard: run {runs[1]} (1 process): 3 guarded calls, 24 writes at 2 sites"]
+    assert heads == [f"kvguard: run {runs[0]} (1 process): 2 guarded calls, 32 tensors protected, 16 writes at 2 sites",
+                     f"kvguard: run {runs[1]} (1 process): 3 guarded calls, 48 tensors protected, 24 writes at 2 sites"]
     only = json.loads(report(reports, "--run", runs[1], "--json").stdout)["runs"]
     assert [(r["run"], r["calls"], r["writes"]) for r in only] == [(runs[1], 3, 24)]
     missing = report(reports, "--run", "nope")
@@ -246,7 +251,8 @@ def test_allow_patterns_split_on_commas_outside_brackets() -> None:
 def test_env_allow_counts_allowed_writes_in_the_summary_and_report(tmp_path: Path) -> None:
     reports = tmp_path / "reports"
     result = job(reports, "--samples", "4", "--steps", "2", KVGUARD_ALLOW="rollout_data['kl'][*]")
-    assert result.stderr == ("kvguard: 2 guarded calls, no in-place writes, 16 allowed\n"
+    assert result.stderr == (f"kvguard: {TARGET}: 2 guarded calls, 32 tensors protected, no in-place writes, "
+                             "16 allowed\n"
                              "  allowed: 16 writes by allow=rollout_data['kl'][*]\n")
     table = report(reports)
     assert table.returncode == 0
@@ -275,7 +281,8 @@ def test_unguarded_calls_are_counted(tmp_path: Path) -> None:
     reports = tmp_path / "reports"
     result = job(reports, "--samples", "2", "--steps", "10", KVGUARD_CALLS="every:4")
     assert result.stderr.splitlines()[-3] == (
-        "kvguard: 3 guarded calls (7 left unguarded by KVGUARD_CALLS=every:4), 12 writes at 2 sites")
+        f"kvguard: {TARGET}: 3 guarded calls (7 left unguarded by KVGUARD_CALLS=every:4), 24 tensors protected, "
+        "12 writes at 2 sites")
     summary = records(reports)[-1]
     assert (summary["calls"], summary["unguarded_calls"]) == (3, 7)
     assert "  note: 7 calls left unguarded by KVGUARD_CALLS" in report(reports).stdout
@@ -379,3 +386,82 @@ def test_records_carry_the_schema_and_the_readme_names_every_field(tmp_path: Pat
     assert {f.name for f in dataclasses.fields(MutationEvent)} <= seen["event"]  # never renamed
     for kind, fields in seen.items():
         assert fields <= documented, f"{kind} fields missing from the README: {sorted(fields - documented)}"
+
+
+# -- kvguard report never calls an inconsistent record clean ---------------------------------
+
+def _record(kind: str, **fields: Any) -> str:
+    base = {"schema": SCHEMA, "record": kind, "run": "r1", "time": 1.0, "host": "h", "pid": 7, "rank": None}
+    return json.dumps({**base, **fields}) + "\n"
+
+
+def _summary(**fields: Any) -> str:
+    counts = {"calls": 3, "writes": 0, "sites": [], "protected": 6, "unguarded_calls": 0, "allowed": {},
+              "events_written": 0, "events_cut": 0, "problems": [], "not_run": {},
+              "targets": {TARGET: {"calls": 3, "protected": 6, "writes": 0}}}
+    return _record("summary", **{**counts, **fields})
+
+
+def _event(**fields: Any) -> str:
+    return _record("event", path="rd['kl']", op="aten.mul_.Tensor", filename="/x/loss.py", lineno=3,
+                   call=1, **fields)
+
+
+def _report_of(tmp_path: Path, *lines: str) -> subprocess.CompletedProcess[str]:
+    file = tmp_path / "kvguard-rank0.jsonl"
+    file.write_text(_record("header") + "".join(lines))
+    return report(file)
+
+
+def test_a_consistent_clean_summary_is_clean_and_names_what_it_watched(tmp_path: Path) -> None:
+    result = _report_of(tmp_path, _summary())
+    assert result.returncode == 0, result.stdout
+    assert result.stdout == ("kvguard: run r1 (1 process): 3 guarded calls, 6 tensors protected, clean: no in-place "
+                             f"writes to protected tensors\n  {TARGET}: 3 guarded calls, 6 tensors protected, "
+                             "no in-place writes\n")
+
+
+def test_writes_counted_without_their_sites_are_not_clean(tmp_path: Path) -> None:
+    result = _report_of(tmp_path, _summary(writes=5))
+    assert result.returncode == 1, result.stdout
+    assert result.stdout.splitlines()[0] == "kvguard: run r1 (1 process): 3 guarded calls, 6 tensors protected, " \
+                                            "5 writes at 0 sites"
+    assert ("note: a process (pid 7 on h)'s summary counts 5 writes, but its sites record 0: the writes were "
+            "counted but their sites were not recorded") in result.stdout
+
+
+@pytest.mark.parametrize("summary, note", [
+    (_summary(), "has 1 event record in the files, but its summary counts 0 writes"),  # events, summary says 0
+    (_summary(sites=[{"filename": "/x/loss.py", "lineno": 3, "op": "aten.mul_.Tensor", "writes": 2}]),
+     "'s summary lists sites with 2 writes, but counts 0"),
+])
+def test_a_summary_that_contradicts_its_records_is_not_clean(tmp_path: Path, summary: str, note: str) -> None:
+    result = _report_of(tmp_path, _event(), summary)
+    assert result.returncode == 1, result.stdout
+    assert note in result.stdout
+
+
+def test_guarded_calls_that_protected_nothing_prove_nothing(tmp_path: Path) -> None:
+    result = _report_of(tmp_path, _summary(protected=0, targets={TARGET: {"calls": 3, "protected": 0}}))
+    assert result.returncode == 2, result.stdout
+    assert "made 3 guarded calls that protected no tensor: nothing was checked" in result.stdout
+
+
+def test_a_truncated_summary_is_no_proof(tmp_path: Path) -> None:
+    line = _summary()
+    result = _report_of(tmp_path, line[: len(line) // 2])  # the job died while writing it
+    assert result.returncode == 2, result.stdout
+    assert "wrote no summary record" in result.stdout and "skipped 1 malformed line" in result.stderr
+
+
+def test_a_header_alone_is_no_proof(tmp_path: Path) -> None:
+    result = _report_of(tmp_path)
+    assert result.returncode == 2 and "wrote no summary record" in result.stdout
+
+
+def test_hand_edited_fields_of_the_wrong_type_never_crash_the_report(tmp_path: Path) -> None:
+    odd = _summary(writes=1, sites=[{"writes": "many", "first": "x", "paths": [1]}, 3], allowed="all",
+                   problems="oops", events_cut="?", targets={TARGET: "x"})
+    result = _report_of(tmp_path, odd)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "note: oops" in result.stdout

@@ -88,8 +88,9 @@ def test_warn_guards_every_call_and_prints_summary(venv_python: Path) -> None:
     assert "rollout_data['kl'][0] was modified in place by aten.mul_.Tensor at trainer_loss.py:10" in result.stderr
     assert "placed   trainer_loss.py:8" in result.stderr
     assert result.stderr.count("in-place write") == 1  # one panel per site, the rest counted
+    assert "MutationWarning" not in result.stderr  # the panel is the one report: no default warning display
     assert result.stderr.endswith(
-        "kvguard: 2 guarded calls, 4 writes at 1 site\n"
+        f"kvguard: {TARGET}: 2 guarded calls, 12 tensors protected, 4 writes at 1 site\n"
         "  trainer_loss.py:10 aten.mul_.Tensor: 4 writes to rollout_data['kl'][*] in 2 calls "
         "(first: rollout_data['kl'][0], call 1)\n")
 
@@ -104,7 +105,8 @@ def test_raise_stops_the_job_with_data_intact(venv_python: Path) -> None:
 def test_method_target(venv_python: Path) -> None:
     result = run(venv_python, "train.py", "--method",
                  env={"KVGUARD": "record", "KVGUARD_TARGETS": "trainer_loss:Trainer.step(rollout_data)"})
-    assert "kvguard: 1 guarded call, 1 write at 1 site\n" in result.stderr
+    assert ("kvguard: trainer_loss:Trainer.step(rollout_data): 1 guarded call, 4 tensors protected, "
+            "1 write at 1 site\n") in result.stderr
 
 
 @pytest.mark.parametrize("env, message", [
@@ -162,11 +164,13 @@ def test_torchrun_two_ranks_write_per_rank_files(venv_python: Path, tmp_path: Pa
         assert {r["rank"] for r in records} == {rank}
         assert records[0]["world_size"] == records[-1]["world_size"] == 2
         runs |= {r["run"] for r in records}
-        assert f"kvguard [rank {rank}/2]: 1 guarded call, 2 writes at 1 site" in result.stderr
+        assert (f"kvguard [rank {rank}/2]: {TARGET}: 1 guarded call, 6 tensors protected, 2 writes at 1 site"
+                in result.stderr)
         assert f"in-place write  rank {rank}/2" in result.stderr
     assert len(runs) == 1  # one launch, one run id on every rank
     table = run(venv_python, "-m", "kvguard", "report", str(reports), check_rc=1)
-    assert table.stdout.startswith(f"kvguard: run {runs.pop()} (2 ranks): 2 guarded calls, 4 writes at 1 site")
+    assert table.stdout.startswith(f"kvguard: run {runs.pop()} (2 ranks): 2 guarded calls, 12 tensors protected, "
+                                   f"4 writes at 1 site\n  {TARGET}: 2 guarded calls, 12 tensors protected, 4 writes\n")
     assert "0-1" in table.stdout  # the ranks column
 
 
@@ -182,4 +186,32 @@ def test_run_command_works_from_a_source_checkout(tmp_path: Path) -> None:
     result = run(Path(sys.executable), "-m", "kvguard", "run", "--action", "record", "--",
                  sys.executable, "train.py", env=env)
     assert "kl intact: False" in result.stdout
-    assert "kvguard: 2 guarded calls, 4 writes at 1 site\n" in result.stderr
+    assert f"kvguard: {TARGET}: 2 guarded calls, 12 tensors protected, 4 writes at 1 site\n" in result.stderr
+
+
+def test_readme_says_at_the_top_of_the_env_section_that_a_checkout_is_silent() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Switch it on in a real job, with no code change"):]
+    first = section.split("\n\n")[1]  # the first paragraph under the heading: before any example or table
+    assert "source checkout on `PYTHONPATH`" in first and "silent by nature" in first
+    assert "python -m kvguard run" in first and "python -m kvguard install-pth" in first  # the fix, right there
+
+
+def test_a_checkout_without_a_pth_is_silent_and_kvguard_run_is_the_fix(tmp_path: Path) -> None:
+    """What the README's warning says: with no kvguard.pth nothing of kvguard runs, nor says so."""
+    home = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(home)
+    python = home / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    # torch and the rest as a plain path: the .pth files next to them are not processed.
+    (Path(purelib) / "00-test-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGUARD", "PYTHON"))}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), str(DATA)]), KVGUARD="raise", KVGUARD_TARGETS=TARGET)
+    code = ("import trainer_loss; trainer_loss.compute_advantages_and_returns(None, trainer_loss.make_rollout()); "
+            "print('ran')")
+    silent = subprocess.run([str(python), "-c", code], cwd=DATA, env=env, capture_output=True, text=True, timeout=300)
+    assert (silent.returncode, silent.stdout, silent.stderr) == (0, "ran\n", "")  # the write went unguarded
+    fixed = subprocess.run([str(python), "-m", "kvguard", "run", "--", str(python), "-c", code], cwd=DATA, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert fixed.returncode == 1 and "kvguard.MutationError: rollout_data['kl'][0] would be modified" in fixed.stderr

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from typing import Any, Callable, Collection, Optional
 
 import kvguard
-from kvguard import _frames
+from kvguard import _config, _frames
 
 UNTIL = ("next_call", "release")
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -47,15 +47,20 @@ class GuardedSchedule:
     """
 
     def __init__(self, forward_backward_func: Callable[..., Any], *, name: str = "losses_reduced",
-                 action: str = "raise", until: str = "next_call", level: str = "light",
-                 keys: Optional[Collection[Any]] = None, ignore: Collection[Any] = (),
-                 allow: Collection[str] = (), report_dir: Optional[str | os.PathLike[str]] = None) -> None:
+                 action: str = "raise", until: str = "next_call", level: Optional[str] = None,
+                 keys: Optional[Collection[Any]] = None, ignore: Optional[Collection[Any]] = None,
+                 allow: Optional[Collection[str]] = None,
+                 report_dir: Optional[str | os.PathLike[str]] = None) -> None:
         if not callable(forward_backward_func):
             raise TypeError(f"guard_schedule() wraps the function get_forward_backward_func() returns; "
                             f"got {forward_backward_func!r}")
         if until not in UNTIL:
             raise kvguard.ConfigError(f"guard_schedule(until={until!r}): expected one of {', '.join(UNTIL)}")
-        # Checked now, not at the first call deep inside a training step.
+        # Options not given take the KVGUARD_* settings, as every guard's do; the level's
+        # own default here is "light" (see the module docstring). Checked now, not at the
+        # first call deep inside a training step.
+        if level is None:
+            level = _config.guard_defaults().level or "light"
         kvguard.guard([], name=name, action=action, keys=keys, ignore=ignore, allow=allow, level=level)
         self.__wrapped__ = forward_backward_func
         functools.update_wrapper(self, forward_backward_func)
@@ -122,9 +127,9 @@ class GuardedSchedule:
 
 
 def guard_schedule(forward_backward_func: Callable[..., Any], *, name: str = "losses_reduced",
-                   action: str = "raise", until: str = "next_call", level: str = "light",
-                   keys: Optional[Collection[Any]] = None, ignore: Collection[Any] = (),
-                   allow: Collection[str] = (),
+                   action: str = "raise", until: str = "next_call", level: Optional[str] = None,
+                   keys: Optional[Collection[Any]] = None, ignore: Optional[Collection[Any]] = None,
+                   allow: Optional[Collection[str]] = None,
                    report_dir: Optional[str | os.PathLike[str]] = None) -> GuardedSchedule:
     """Wrap `get_forward_backward_func()`'s function so its results stay protected until logged.
 
@@ -136,8 +141,9 @@ def guard_schedule(forward_backward_func: Callable[..., Any], *, name: str = "lo
         until: "next_call" ends the previous result's protection when the schedule is
             called again; "release" keeps every result protected until `release()`.
             Protection still open at interpreter exit ends then, so it is always checked.
-        level: "light" (default: no per-op cost between steps, findings when protection
-            ends) or "full" (the writing line, and raise before the write).
+        level: "light" (no per-op cost between steps, findings when protection ends) or
+            "full" (the writing line, and raise before the write); default: `KVGUARD_LEVEL`,
+            else "light". Options not given take their `KVGUARD_*` setting, as for every guard.
 
     Example::
 

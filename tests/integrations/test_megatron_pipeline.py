@@ -167,15 +167,18 @@ def test_the_exit_line_and_summary_record_count_not_run_calls_apart() -> None:
         tally.begin_call("t")
         tally.not_run_call("t", STAGE0)
     assert tally.lines("rank 0/2 pp=0") == [
-        f"kvguard [rank 0/2 pp=0]: 0 guarded calls, 3 calls not run here ({STAGE0}), no in-place writes"]
+        f"kvguard [rank 0/2 pp=0]: kvguard.guard(t): 0 guarded calls, 3 calls not run here ({STAGE0}), "
+        "no in-place writes"]
     record = tally.as_record()
     assert record["calls"] == 0 and record["not_run"] == {STAGE0: 3}
     assert record["targets"]["t"]["not_run_calls"] == 3
     tally.begin_call("t")
     tally.begin_call("u")
     tally.not_run_call("u", "elsewhere")
-    assert tally.lines()[0] == (f"kvguard: 1 guarded call, 4 calls not run here (3: {STAGE0}; 1: elsewhere), "
-                                "no in-place writes")
+    assert tally.lines() == [  # per guard name, each with its own counts
+        f"kvguard: kvguard.guard(t): 1 guarded call, 3 calls not run here ({STAGE0}), 0 tensors protected, "
+        "no in-place writes",
+        "kvguard: kvguard.guard(u): 0 guarded calls, 1 call not run here (elsewhere), no in-place writes"]
 
 
 # --- env activation, in a fresh interpreter -----------------------------------------------
@@ -215,8 +218,8 @@ def test_env_activation_says_not_run_here_in_the_exit_line_and_the_report(tmp_pa
     result = subprocess.run([sys.executable, "-m", "kvguard", "run", "--", sys.executable, "train.py"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
-    assert (f"kvguard [rank 0/2 tp=0 pp=0 dp=0 cp=0]: 0 guarded calls, 3 calls not run here ({STAGE0}), "
-            "no in-place writes") in result.stderr
+    assert ("kvguard [rank 0/2 tp=0 pp=0 dp=0 cp=0]: stage_loss:compute_advantages_and_returns(rollout_data): "
+            f"0 guarded calls, 3 calls not run here ({STAGE0}), no in-place writes") in result.stderr
     assert ("kvguard: target stage_loss:compute_advantages_and_returns(rollout_data) did not run here: "
             f"3 calls ({STAGE0}), counted as not run, not as clean") in result.stderr
     assert "was never called" not in result.stderr

@@ -102,10 +102,11 @@ def test_cp2_fixed_run_is_clean(tmp_path: Path) -> None:
     result = torchrun(reports, "--cp", "2")
     assert "logged KL matches the policy KL in all 12 steps" in result.stdout
     for cp in (0, 1):
-        assert f"kvguard [rank {cp}/2 tp=0 pp=0 dp=0 cp={cp}]: 12 guarded calls, no in-place writes" in result.stderr
+        assert (f"kvguard [rank {cp}/2 tp=0 pp=0 dp=0 cp={cp}]: rl_pipeline.loss:compute_advantages_and_returns"
+                "(rollout_data): 12 guarded calls, 768 tensors protected, no in-place writes") in result.stderr
     table = report(reports)
     assert table.returncode == 0, table.stdout + table.stderr
-    assert "(2 ranks): 24 guarded calls, clean" in table.stdout
+    assert "(2 ranks): 24 guarded calls, 1,536 tensors protected, clean" in table.stdout
     # The same numbers as one process, unguarded: slicing and gathering keep the math.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGUARD", "RANK", "WORLD_SIZE", "MASTER_"))}
     one = subprocess.run([sys.executable, str(EXAMPLE)], env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True,
@@ -119,9 +120,11 @@ def test_pp2_first_stage_did_not_run_the_code_and_says_so(tmp_path: Path) -> Non
     reports = tmp_path / "r"
     result = torchrun(reports, "--pp", "2", "--bug")
     stage0 = "not the last pipeline stage: pp=0 of 2"
-    assert f"kvguard [rank 0/2 tp=0 pp=0 dp=0 cp=0]: 0 guarded calls, 12 calls not run here ({stage0})" \
+    target = "rl_pipeline.loss:compute_advantages_and_returns(rollout_data)"
+    assert f"kvguard [rank 0/2 tp=0 pp=0 dp=0 cp=0]: {target}: 0 guarded calls, 12 calls not run here ({stage0})" \
         in result.stderr
-    assert "kvguard [rank 1/2 tp=0 pp=1 dp=0 cp=0]: 12 guarded calls, 64 writes at 2 sites" in result.stderr
+    assert (f"kvguard [rank 1/2 tp=0 pp=1 dp=0 cp=0]: {target}: 12 guarded calls, 768 tensors protected, "
+            "64 writes at 2 sites") in result.stderr
     by_rank = summaries(reports)
     assert (by_rank[0]["calls"], by_rank[0]["not_run"], by_rank[0]["sites"]) == (0, {stage0: 12}, [])
     assert by_rank[0]["targets"][TARGET]["not_run_calls"] == 12
