@@ -224,8 +224,10 @@ class Guard:
         """
         if self._protected is None:
             raise RuntimeError(f"{self!r}.check() needs an active guard (inside its `with` block)")
-        self._boundary_check(rescan=True)
-        fresh, self._checked = self.report.events[self._checked:], len(self.report.events)
+        try:
+            self._boundary_check(rescan=True)
+        finally:  # a raised finding is returned by no later check
+            fresh, self._checked = self.report.events[self._checked:], len(self.report.events)
         return fresh
 
     def _boundary_check(self, rescan: bool) -> None:
