@@ -439,11 +439,6 @@ def guarded(argname: str, *, name: Optional[str] = None, action: str = "raise",
     if not isinstance(argname, str):
         raise TypeError(f"kvguard.guarded() takes the argument's name as a string, got {argname!r}")
 
-    # Passed as given: an option left at None is the guard's own default.
-    given = {option: value for option, value in (("keys", keys), ("ignore", ignore), ("allow", allow),
-                                                ("report_dir", report_dir), ("level", level),
-                                                ("fingerprint", fingerprint)) if value is not None}
-
     def decorate(fn: F) -> F:
         numbers = itertools.count(1)
 
@@ -452,7 +447,9 @@ def guarded(argname: str, *, name: Optional[str] = None, action: str = "raise",
                 return None  # left at its default: nothing of the caller's to protect
             if not _calls_selected(next(numbers), name or argname):
                 return None
-            g = Guard(value, name=name or argname, action=action, **given)
+            # Passed as given: an option left at None is the KVGUARD_* setting, else the default.
+            g = Guard(value, name=name or argname, action=action, keys=keys, ignore=ignore, allow=allow,
+                      report_dir=report_dir, level=level, fingerprint=fingerprint)
             outer.last_report = g.report  # type: ignore[attr-defined]
             return g
 

@@ -196,8 +196,12 @@ def _site_table(rows: list[dict[str, Any]], width: Any) -> str:
 
     ranked = any(row["ranks"] for row in rows)
     table = Table()
+    # A path is read whole (it is what users grep and paste): its column is as wide as the
+    # longest one, up to 40 characters; the free text of the other columns wraps instead.
+    longest = max((len(path) for row in rows for path in row["paths"]), default=0)
     for column in ["site", "path", "writes"] + (["ranks"] if ranked else []) + ["first write"]:
-        table.add_column(column, overflow="fold", justify="right" if column == "writes" else "left")
+        table.add_column(column, overflow="fold", justify="right" if column == "writes" else "left",
+                         min_width=min(longest, 40) if column == "path" else None)
     for row in rows:
         action = ("blocked" if row["blocked"] == row["writes"] else "happened" if not row["blocked"]
                   else f"{row['blocked']:,} blocked")
