@@ -16,6 +16,12 @@ import os
 import pytest
 import torch
 
+from kvguard import _build
+
+# Every subprocess a test starts uses the compiled engine this session built: pytester points
+# HOME at a fresh directory, where the default cache holds none (a 15 s build per subprocess).
+os.environ.setdefault("KVGUARD_CACHE_DIR", str(_build.cache_root()))
+
 ENGINES = ("compiled", "kernels", "mode")
 # Modules whose tests are about what a guard sees and does: each runs under every engine.
 # The others (reports, CLI, start-up, integrations) run under the automatic choice.
