@@ -196,12 +196,18 @@ def _site_table(rows: list[dict[str, Any]], width: Any) -> str:
 
     ranked = any(row["ranks"] for row in rows)
     table = Table()
-    # A path is read whole (it is what users grep and paste): its column is as wide as the
-    # longest one, up to 40 characters; the free text of the other columns wraps instead.
-    longest = max((len(path) for row in rows for path in row["paths"]), default=0)
-    for column in ["site", "path", "writes"] + (["ranks"] if ranked else []) + ["first write"]:
+    columns = ["site", "path", "writes"] + (["ranks"] if ranked else []) + ["first write"]
+    # A path is read whole (it is what users grep and paste): the columns that start with one
+    # are as wide as the longest, up to 40 characters and to what the width leaves after the
+    # others' narrowest (a site's longest word, writes 10, ranks 8; 3 characters of rule each).
+    width = width or _width(sys.stdout)
+    site = max((len(word) for row in rows for word in f"{row['site']} {row['op']}".split()), default=0)
+    room = (width - 3 * len(columns) - 1 - min(site, 30) - 10 - (8 if ranked else 0)) // 2
+    longest = max((len(str(path)) for row in rows for path in (*row["paths"], row["first"].get("path"))),
+                  default=0)
+    for column in columns:
         table.add_column(column, overflow="fold", justify="right" if column == "writes" else "left",
-                         min_width=min(longest, 40) if column == "path" else None)
+                         min_width=max(1, min(longest, 40, room)) if column in ("path", "first write") else None)
     for row in rows:
         action = ("blocked" if row["blocked"] == row["writes"] else "happened" if not row["blocked"]
                   else f"{row['blocked']:,} blocked")

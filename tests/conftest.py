@@ -21,6 +21,10 @@ from kvguard import _build
 # Every subprocess a test starts uses the compiled engine this session built: pytester points
 # HOME at a fresh directory, where the default cache holds none (a 15 s build per subprocess).
 os.environ.setdefault("KVGUARD_CACHE_DIR", str(_build.cache_root()))
+# An xdist worker gets COLUMNS=80 and LINES=24 of its own, which its subprocesses would
+# inherit (rich output 80 wide): the tests see the environment the run was started with.
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("COLUMNS") == "80" and os.environ.get("LINES") == "24":
+    del os.environ["COLUMNS"], os.environ["LINES"]
 
 ENGINES = ("compiled", "kernels", "mode")
 # Modules whose tests are about what a guard sees and does: each runs under every engine.
