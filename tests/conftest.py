@@ -36,6 +36,8 @@ PER_ENGINE = {"test_guard", "test_channels", "test_odd_tensors", "test_never_cra
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "any_engine: in a per-engine module, run once under the automatic choice")
+    config.addinivalue_line("markers", "slow: a test of many processes or a whole tool run (10-30 s of CPU each); "
+                            "the README's test command leaves them out (-m 'not slow'), CI runs them too")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "bench_suite.py"
 
@@ -53,6 +55,7 @@ def _tables(out: str) -> list[tuple[list[str], dict[str, list[str]]]]:
     return tables
 
 
+@pytest.mark.slow
 def test_ci_size_prints_every_row_and_column() -> None:
     out = _run("--size", "ci", "--rounds", "1")
     tables = _tables(out)
@@ -84,6 +87,7 @@ def test_ci_size_prints_every_row_and_column() -> None:
     assert "2 repeats" in out and "`python benchmarks/bench_suite.py --size ci --rounds 1`" in out, out
 
 
+@pytest.mark.slow
 def test_only_selects_workloads_by_name_or_prefix() -> None:
     out = _run("--size", "ci", "--rounds", "1", "--repeats", "1", "--only", "micro_reads,entry_exit_49")
     tables = _tables(out)

@@ -36,6 +36,8 @@ import kvguard  # noqa: E402
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 LOSS = EXAMPLES / "ray_job" / "loss.py"
 TARGET = "ray_job.loss:compute_advantages_and_returns(rollout_data)"
+pytestmark = pytest.mark.slow  # a Ray cluster per test: CI runs them (-m slow)
+
 TIMEOUT = 120  # seconds for any one ray.get: a hang fails the test instead of the CI job
 
 

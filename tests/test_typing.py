@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_mypy_strict_is_clean(tmp_path: Path) -> None:
     pytest.importorskip("mypy")
     result = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path)],

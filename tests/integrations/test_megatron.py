@@ -71,6 +71,7 @@ def test_one_process_gets_megatron_tags_only_while_initialised(tmp_path) -> None
     assert "destroyed: [rank 0/1]" in out
 
 
+@pytest.mark.slow
 def test_two_context_parallel_ranks_are_told_apart(tmp_path) -> None:  # type: ignore[no-untyped-def]
     out = run(2, 2, tmp_path)
     assert "initialised: [rank 0/2 tp=0 pp=0 dp=0 cp=0] events=1" in out

@@ -71,6 +71,7 @@ def sites(summary: dict[str, Any]) -> dict[tuple[Path, str], int]:
     return {(Path(s["filename"]), s["op"]): s["writes"] for s in summary["sites"]}
 
 
+@pytest.mark.slow
 def test_cp2_bug_is_caught_on_both_ranks_with_their_tags(tmp_path: Path) -> None:
     reports = tmp_path / "r"
     result = torchrun(reports, "--cp", "2", "--bug")
@@ -97,6 +98,7 @@ def test_cp2_bug_is_caught_on_both_ranks_with_their_tags(tmp_path: Path) -> None
     assert [s["calls"] for s in by_rank.values()] == [12, 12]
 
 
+@pytest.mark.slow
 def test_cp2_fixed_run_is_clean(tmp_path: Path) -> None:
     reports = tmp_path / "r"
     result = torchrun(reports, "--cp", "2")
@@ -116,6 +118,7 @@ def test_cp2_fixed_run_is_clean(tmp_path: Path) -> None:
     assert len(steps) == 12 and steps == [line for line in one.stdout.splitlines() if line.startswith("step")]
 
 
+@pytest.mark.slow
 def test_pp2_first_stage_did_not_run_the_code_and_says_so(tmp_path: Path) -> None:
     reports = tmp_path / "r"
     result = torchrun(reports, "--pp", "2", "--bug")
