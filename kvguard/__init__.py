@@ -9,6 +9,7 @@ Importing kvguard does not import torch; the engine loads when a guard is entere
 """
 
 from kvguard._allow import allow as allow
+from kvguard._calls import guarded as guarded
 from kvguard._errors import ConfigError as ConfigError
 from kvguard._errors import GuardWarning as GuardWarning
 from kvguard._errors import MutationError as MutationError
@@ -17,7 +18,6 @@ from kvguard._events import GuardReport as GuardReport
 from kvguard._events import MutationEvent as MutationEvent
 from kvguard._guard import Guard as Guard
 from kvguard._guard import guard as guard
-from kvguard._guard import guarded as guarded
 
 __version__ = "0.2.0"
 __all__ = ["ConfigError", "Guard", "GuardReport", "GuardWarning", "MutationError", "MutationEvent",

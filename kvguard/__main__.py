@@ -150,7 +150,7 @@ def _report(opts: Any) -> int:
     from kvguard import _reportread
     from kvguard._render import run_report
     from kvguard._reportfile import SCHEMA
-    from kvguard._tally import plural
+    from kvguard._text import plural
 
     runs, skipped = _reportread.load(opts.path)
     for bad in skipped:

@@ -20,22 +20,23 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
+import os
 import types
-from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Optional, TypeVar
+from typing import Any, Callable, Collection, Generator, Iterator, Optional, TypeVar
 
-from kvguard import _frames
+from kvguard import _frames, _reportfile
+from kvguard._config import guard_defaults
 from kvguard._errors import MutationError
+from kvguard._guard import Guard, _check_action, _check_level
 from kvguard._render import say
-
-if TYPE_CHECKING:
-    from kvguard._guard import Guard
 
 F = TypeVar("F", bound=Callable[..., Any])
 MISSING: Any = object()  # the argument was not passed (left at its default), or the call cannot bind
 # The guard for one call: `start(value, arguments)` gets the argument's value (MISSING when
 # not passed) and the call's bound arguments; None runs the call unguarded.
-Start = Callable[[Any, dict[str, Any]], "Optional[Guard]"]
-Finish = Callable[["Guard"], None]  # after the guard of a call has exited
+Start = Callable[[Any, dict[str, Any]], Optional[Guard]]
+Finish = Callable[[Guard], None]  # after the guard of a call has exited
 
 
 def parameters(fn: Callable[..., Any], argname: str) -> inspect.Signature:
@@ -77,11 +78,67 @@ def wrap(fn: F, argname: str, start: Start, who: str, finish: Optional[Finish] =
     return outside_dynamo(functools.wraps(fn)(wrapper))  # type: ignore[return-value]
 
 
+def guarded(argname: str, *, name: Optional[str] = None, action: str = "raise",
+            keys: Optional[Collection[Any]] = None, ignore: Optional[Collection[Any]] = None,
+            allow: Optional[Collection[str]] = None, report_dir: Optional[str | os.PathLike[str]] = None,
+            level: Optional[str] = None, fingerprint: Optional[bool] = None) -> Callable[[F], F]:
+    """Decorator: guard the argument `argname` on every call of the function.
+
+    Options as for `guard()` (None: the `KVGUARD_*` setting, else the default). The last
+    call's report is kept on the wrapper as `fn.last_report`. Generator, coroutine and
+    async generator functions are guarded while their body runs, paused whenever it is
+    suspended (see `_calls`); the wrapper has the same form, for `asyncio` and `inspect`.
+
+    Example::
+
+        @kvguard.guarded("rollout_data", action="warn")
+        def compute_advantages_and_returns(args, rollout_data): ...
+    """
+    _check_action(action)
+    if level is not None:
+        _check_level(level)
+    if not isinstance(argname, str):
+        raise TypeError(f"kvguard.guarded() takes the argument's name as a string, got {argname!r}")
+
+    def decorate(fn: F) -> F:
+        numbers = itertools.count(1)
+
+        def start(value: Any, arguments: dict[str, Any]) -> Optional[Guard]:
+            if value is MISSING:
+                return None  # left at its default: nothing of the caller's to protect
+            if not _calls_selected(next(numbers), name or argname):
+                return None
+            # Passed as given: an option left at None is the KVGUARD_* setting, else the default.
+            g = Guard(value, name=name or argname, action=action, keys=keys, ignore=ignore, allow=allow,
+                      report_dir=report_dir, level=level, fingerprint=fingerprint)
+            outer.last_report = g.report  # type: ignore[attr-defined]
+            return g
+
+        outer = wrap(fn, argname, start, f"kvguard.guarded({argname!r})")
+        outer.last_report = None  # type: ignore[attr-defined]
+        return outer
+
+    return decorate
+
+
+def _calls_selected(number: int, label: str) -> bool:
+    """Whether `KVGUARD_CALLS` (as for env targets) selects call `number` of a `guarded` function.
+
+    A call it leaves out runs unguarded and is counted as such in the summaries.
+    """
+    selection = guard_defaults().calls
+    if selection is None or selection.selects(number):
+        return True
+    for stats in _reportfile.target_tallies(label):
+        stats.unguarded_calls += 1
+    return False
+
+
 def _nothing(guard: Guard) -> None:
     pass
 
 
-GuardFor = Callable[[tuple[Any, ...], dict[str, Any]], "Optional[Guard]"]
+GuardFor = Callable[[tuple[Any, ...], dict[str, Any]], Optional[Guard]]
 
 
 def _plain_wrapper(fn: Callable[..., Any], guard_for: GuardFor, done: Finish, who: str) -> Callable[..., Any]:

@@ -22,6 +22,7 @@ import re
 from typing import Mapping, Optional
 
 from kvguard._errors import ConfigError
+from kvguard._targets import Target, parse_target
 
 OFF = "off"
 ACTIONS = ("raise", "warn", "record")
@@ -29,19 +30,6 @@ _ACTION_ALIASES = {"": OFF, "0": OFF, "off": OFF, "false": OFF, "no": OFF,
                    "1": "warn", "on": "warn", "true": "warn", "yes": "warn",
                    "warn": "warn", "raise": "raise", "record": "record"}
 DEFAULT_MAX_EVENTS = 100  # per process: ~70 KB of report file, ~100 events per guard in memory
-_TARGET = re.compile(r"^\s*([A-Za-z_][\w.]*):([A-Za-z_][\w.]*)\(\s*([A-Za-z_]\w*)\s*\)\s*$")
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """A function to guard on one argument: `module:qualname(argname)`."""
-
-    module: str
-    qualname: str
-    argname: str
-
-    def __str__(self) -> str:
-        return f"{self.module}:{self.qualname}({self.argname})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,13 +217,7 @@ def parse_targets(value: str, source: str = env_source("KVGUARD_TARGETS")) -> tu
 
             expanded: tuple[Target, ...] = _presets.expand(item, source)
         else:
-            match = _TARGET.match(item)
-            if match is None:
-                raise ConfigError(
-                    f"invalid target {item.strip()!r} in {source}; expected module:qualname(argname), "
-                    "e.g. myrl.loss:compute_advantages_and_returns(rollout_data)"
-                )
-            expanded = (Target(*match.groups()),)
+            expanded = (parse_target(item, source),)
         for target in expanded:
             same = [i for i, t in enumerate(targets) if (t.module, t.qualname) == (target.module, target.qualname)
                     and (type(t) is not Target or type(target) is not Target)]

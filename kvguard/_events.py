@@ -1,10 +1,13 @@
-"""Plain records of detected mutations. Stdlib only; never holds a protected tensor."""
+"""Plain records of detected mutations, with their plain and rich text. Stdlib only (rich when a
+panel is drawn); never holds a protected tensor."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 from typing import Any, Optional
+
+from kvguard._text import plural
 
 @dataclasses.dataclass(frozen=True)
 class MutationEvent:
@@ -81,14 +84,103 @@ class GuardReport:
 
     def format(self) -> str:
         """The report as plain text; the first line is one standalone sentence."""
-        from kvguard._render import format_report
-
         return format_report(self)
 
     def __str__(self) -> str:
         return self.format()
 
     def __rich__(self) -> Any:
-        from kvguard._render import rich_report
-
         return rich_report(self)
+
+
+MAX_EVENT_CHARS = 3000  # leaves room for a panel's frame and a rank tag under 4 KiB
+MAX_VALUE_CHARS = 400  # one detail line of a panel
+MAX_EVENTS_SHOWN = 20
+HINT = "write to a new tensor (k = k * c) or clone first (k = k.clone())"
+
+
+def event_details(ev: MutationEvent) -> list[tuple[str, str]]:
+    """The aligned `key  value` lines under an event's headline."""
+    rows = [("code", ev.code), ("tensor", ev.tensor)]
+    if ev.aliases:
+        rows.append(("also at", ", ".join(ev.aliases)))
+    if ev.detached:
+        rows.append(("note", "no longer in the guarded object; protected since it was there"))
+    if ev.placed_at:
+        rows.append(("placed", ev.placed_at))
+    if ev.blocked:
+        rows += [("values", ev.before), ("action", "raised before the write; the data is intact"),
+                 ("hint", HINT)]
+    elif ev.kind == "write":
+        rows += [("before", ev.before), ("after", ev.after or ""), ("changed", ev.diff)]
+    else:
+        rows += [("before", ev.before), ("after", ev.after or ""), ("note", ev.diff)]
+    return rows
+
+
+def detail_line(key: str, value: str) -> str:
+    """One aligned `  key      value` line of a plain-text event."""
+    return f"  {key:<8} {value}"
+
+
+def format_event(ev: MutationEvent) -> str:
+    lines = [ev.headline()] + [detail_line(key, value) for key, value in event_details(ev)]
+    return _clip("\n".join(lines))
+
+
+def _clip_value(text: str) -> str:
+    return text if len(text) <= MAX_VALUE_CHARS else text[: MAX_VALUE_CHARS - 2] + " …"
+
+
+def format_report(report: GuardReport) -> str:
+    if report.ok:
+        return f"kvguard: no in-place writes to the tensors protected in {report.name}"
+    shown = report.events[:MAX_EVENTS_SHOWN]
+    blocks = [format_event(ev) for ev in shown]
+    more = len(report.events) - len(shown) + report.cut
+    if more:
+        blocks.append(_more(more, report.cut))
+    return "\n".join(blocks)
+
+
+def _more(more: int, cut: int) -> str:
+    text = f"… and {plural(more, 'more write')}"
+    return text + (f" ({cut:,} past KVGUARD_MAX_EVENTS, counted only)" if cut else "")
+
+
+def _clip(text: str) -> str:
+    if len(text) <= MAX_EVENT_CHARS:
+        return text
+    return text[: MAX_EVENT_CHARS - 2] + " …"
+
+
+def rich_event(ev: MutationEvent, tag: str = "") -> Any:
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=None, show_header=False, show_edge=False, pad_edge=False)
+    table.add_column(style="bold cyan", no_wrap=True)
+    table.add_column(overflow="fold")
+    for key, value in event_details(ev):
+        table.add_row(key, Text(_clip_value(value)))  # Text: user code is not rich markup
+    title = "kvguard: in-place write blocked" if ev.blocked else "kvguard: in-place write"
+    if tag:
+        title += f"  {tag}"
+    from rich.console import Group
+
+    headline = Text(_clip_value(ev.headline()), style="bold red" if ev.blocked else "bold yellow")
+    return Panel(Group(headline, table), title=title, title_align="left", expand=False)
+
+
+def rich_report(report: GuardReport) -> Any:
+    from rich.console import Group
+    from rich.text import Text
+
+    if report.ok:
+        return Text(format_report(report), style="green")
+    items = [rich_event(ev) for ev in report.events[:MAX_EVENTS_SHOWN]]
+    more = len(report.events) - len(items) + report.cut
+    if more:
+        items.append(Text(_more(more, report.cut)))
+    return Group(*items)

@@ -1,4 +1,4 @@
-"""`guard()` and `guarded()`: apply the action, own the report, run the exit check.
+"""`guard()`: apply the action, own the report, run the exit check (the `guarded` decorator: `_calls`).
 
 Torch-free at import: the engine (`_engines`, `_judge`, `_protect`) loads when a guard is entered.
 """
@@ -17,7 +17,7 @@ from kvguard._allow import Allowlist
 from kvguard._allow import boundaries as allow_boundaries
 from kvguard._config import DEFAULT_MAX_EVENTS, GuardDefaults, guard_defaults, parse_level
 from kvguard._errors import ConfigError, GuardWarning, MutationError, MutationWarning
-from kvguard._events import GuardReport, MutationEvent
+from kvguard._events import GuardReport, MutationEvent, detail_line, format_event
 from kvguard._state import STATE
 
 ACTIONS = ("raise", "warn", "record")
@@ -161,13 +161,13 @@ class Guard:
             # An `except RuntimeError:` around the write swallowed the error unread: the
             # write was skipped and the code went on as if it had happened. (A handler that
             # names MutationError marked it seen when it was raised: see `_handlers`.)
-            raise MutationError(unread[0] + "\n" + _render.detail_line(
+            raise MutationError(unread[0] + "\n" + detail_line(
                 "caught", "this MutationError was caught inside the guard and never read (by a handler "
                 "for a broader class: except RuntimeError/Exception?); the write did not happen. A handler "
                 "that expects it names kvguard.MutationError"), unread[1], self.report)
         if unobserved:
             # Too late to stop the change, but a raise guard must not end quietly.
-            raise MutationError(_render.format_event(unobserved[0]), unobserved[0], self.report)
+            raise MutationError(format_event(unobserved[0]), unobserved[0], self.report)
         return False
 
     def _not_run_reason(self, exc_type: Any, unobserved: list[MutationEvent]) -> Optional[str]:
@@ -239,7 +239,7 @@ class Guard:
         for event in found:
             self._on_event(event, at_exit=True)
         if found and self.action == "raise":
-            raise MutationError(_render.format_event(found[0]), found[0], self.report)
+            raise MutationError(format_event(found[0]), found[0], self.report)
 
     def _exit_check(self, site: Optional[_frames.Site] = None, rescan: bool = False) -> list[MutationEvent]:
         """Boundary findings as events: values or memory that changed with no op reporting it."""
@@ -286,7 +286,7 @@ class Guard:
             self.report.cut += 1
         STATE.publish(event, self)
         if self.action == "raise" and not at_exit:
-            error = MutationError(_render.format_event(event), event, self.report)
+            error = MutationError(format_event(event), event, self.report)
             if _handlers.caught_by_its_own_class(error, sys._getframe(1)):
                 error.seen_cell[0] = True  # `except MutationError:`, `pytest.raises(MutationError)`: expected
             self._raised = [r for r in self._raised if not r[0][0]] + [(error.seen_cell, error.args[0], event)]
@@ -326,7 +326,7 @@ class Guard:
         for event in found:
             self._on_event(event, at_exit=True)
         if found and self.action == "raise":
-            return MutationError(_render.format_event(found[0]), found[0], self.report)
+            return MutationError(format_event(found[0]), found[0], self.report)
         return None
 
     def resume(self) -> None:
@@ -413,71 +413,6 @@ def guard(obj: Any, *, name: Optional[str] = None, action: str = "raise",
     """
     return Guard(obj, name=name, action=action, keys=keys, ignore=ignore, allow=allow, report_dir=report_dir,
                  level=level, fingerprint=fingerprint)
-
-
-def guarded(argname: str, *, name: Optional[str] = None, action: str = "raise",
-            keys: Optional[Collection[Any]] = None, ignore: Optional[Collection[Any]] = None,
-            allow: Optional[Collection[str]] = None, report_dir: Optional[str | os.PathLike[str]] = None,
-            level: Optional[str] = None, fingerprint: Optional[bool] = None) -> Callable[[F], F]:
-    """Decorator: guard the argument `argname` on every call of the function.
-
-    Options as for `guard()` (None: the `KVGUARD_*` setting, else the default). The last
-    call's report is kept on the wrapper as `fn.last_report`. Generator, coroutine and
-    async generator functions are guarded while their body runs, paused whenever it is
-    suspended (see `_calls`); the wrapper has the same form, for `asyncio` and `inspect`.
-
-    Example::
-
-        @kvguard.guarded("rollout_data", action="warn")
-        def compute_advantages_and_returns(args, rollout_data): ...
-    """
-    from kvguard import _calls
-
-    _check_action(action)
-    if level is not None:
-        _check_level(level)
-    if not isinstance(argname, str):
-        raise TypeError(f"kvguard.guarded() takes the argument's name as a string, got {argname!r}")
-
-    def decorate(fn: F) -> F:
-        numbers = itertools.count(1)
-
-        def start(value: Any, arguments: dict[str, Any]) -> Optional[Guard]:
-            if value is _calls.MISSING:
-                return None  # left at its default: nothing of the caller's to protect
-            if not _calls_selected(next(numbers), name or argname):
-                return None
-            # Passed as given: an option left at None is the KVGUARD_* setting, else the default.
-            g = Guard(value, name=name or argname, action=action, keys=keys, ignore=ignore, allow=allow,
-                      report_dir=report_dir, level=level, fingerprint=fingerprint)
-            outer.last_report = g.report  # type: ignore[attr-defined]
-            return g
-
-        outer = _calls.wrap(fn, argname, start, f"kvguard.guarded({argname!r})")
-        outer.last_report = None  # type: ignore[attr-defined]
-        return outer
-
-    return decorate
-
-
-def _calls_selected(number: int, label: str) -> bool:
-    """Whether `KVGUARD_CALLS` (as for env targets) selects call `number` of a `guarded` function.
-
-    A call it leaves out runs unguarded and is counted as such in the summaries.
-    """
-    selection = guard_defaults().calls
-    if selection is None or selection.selects(number):
-        return True
-    for stats in _reportfile.target_tallies(label):
-        stats.unguarded_calls += 1
-    return False
-
-
-def outside_dynamo(fn: F) -> F:
-    """`fn`, run eagerly when called from `torch.compile`d code, with no frame of torch's (see `_calls`)."""
-    from kvguard import _calls
-
-    return _calls.outside_dynamo(fn)
 
 
 def _check_action(action: Any) -> str:

@@ -16,11 +16,13 @@ from typing import Any, Callable, Iterable, Optional
 import wrapt
 
 from kvguard import _calls
-from kvguard._config import Calls, Target
+from kvguard._config import Calls
+from kvguard._diagnostics import WALKED, first_hints
 from kvguard._guard import Guard, guardable
 from kvguard._render import say
 from kvguard._reportfile import open_writer
 from kvguard._state import STATE
+from kvguard._targets import Target
 from kvguard._tally import TargetStats
 
 _MARK = "__kvguard_target__"
@@ -121,8 +123,6 @@ def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: An
     _tallies(label)  # listed in the summaries, called or not
 
 
-WALKED = "mappings, sequences, dataclasses, SimpleNamespaces and pytree nodes"  # what `_tree` walks
-first_hints: dict[str, str] = {}  # target -> the hint said at its first unguardable call, for the exit line
 
 
 def unguardable_line(target: Target, kind: str, arguments: dict[str, Any]) -> str:

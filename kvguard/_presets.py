@@ -43,8 +43,9 @@ import dataclasses
 import sys
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
-from kvguard._config import Target
 from kvguard._errors import ConfigError
+from kvguard._targets import Target, parse_target
+from kvguard._text import plural
 
 if TYPE_CHECKING:
     from kvguard._state import State
@@ -194,12 +195,10 @@ def expand(name: str, source: str) -> tuple[PresetTarget, ...]:
             f"invalid target {name.strip()!r} in {source}; without a colon it names a preset, and no preset "
             f"is called that (known presets: {', '.join(PRESETS)}); a function is module:qualname(argname), "
             "e.g. myrl.loss:compute_advantages_and_returns(rollout_data)")
-    from kvguard._config import parse_targets
-
     out = []
     for function in preset.functions:
         for spelled in (function.target, *(where for where, _ in function.also)):
-            (target,) = parse_targets(spelled, f"preset {preset.name}")
+            target = parse_target(spelled, f"preset {preset.name}")
             out.append(PresetTarget(target.module, target.qualname, target.argname, preset.name, function.target))
     return tuple(out)
 
@@ -251,7 +250,7 @@ def diagnostics(targets: Iterable[Target], state: "State") -> list[str]:
     function missing in the installed version; one line when the process imported none
     of the modules it guards (they run in another process); one line when it guarded
     functions but none of them was called. A function that is present, patched and
-    called gets the per-target lines every target gets (`_startup.diagnostics`).
+    called gets the per-target lines every target gets (`_diagnostics.diagnostics`).
     """
     slots: dict[str, dict[str, list[PresetTarget]]] = {}
     for target in targets:
@@ -263,7 +262,7 @@ def diagnostics(targets: Iterable[Target], state: "State") -> list[str]:
         label = f"kvguard: preset {preset.name}"
         if preset.package not in sys.modules:
             lines.append(f"{label}: this process never imported {preset.package}, so none of its "
-                         f"{_count(len(by_slot), 'function')} was guarded here")
+                         f"{plural(len(by_slot), 'function')} was guarded here")
             continue
         patched: list[PresetTarget] = []
         absent: list[str] = []  # modules that may hold a function, never imported here
@@ -331,10 +330,6 @@ def _was_called(stats: Any) -> bool:
         return False
     return bool(stats.calls or stats.unguarded_calls or sum(stats.unguardable.values())
                 or sum(getattr(stats, "not_run", {}).values()))
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'s' if n != 1 else ''}"
 
 
 def describe(names: Iterable[str] = (), width: int = 100) -> str:

@@ -13,101 +13,12 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any, Iterator
 
-if TYPE_CHECKING:
-    from kvguard._events import GuardReport, MutationEvent
+from kvguard._events import (  # the plain and rich text of events lives with them
+    MAX_EVENT_CHARS, MutationEvent, _clip_value, format_event, rich_event)
+from kvguard._text import plural
+from kvguard._tally import display_label
 
-MAX_EVENT_CHARS = 3000  # leaves room for a panel's frame and a rank tag under 4 KiB
-MAX_VALUE_CHARS = 400  # one detail line of a panel
 MAX_WRITE_BYTES = 4000  # a pipe write up to PIPE_BUF (4 KiB) is atomic on Linux
-MAX_EVENTS_SHOWN = 20
-HINT = "write to a new tensor (k = k * c) or clone first (k = k.clone())"
-
-
-def event_details(ev: MutationEvent) -> list[tuple[str, str]]:
-    """The aligned `key  value` lines under an event's headline."""
-    rows = [("code", ev.code), ("tensor", ev.tensor)]
-    if ev.aliases:
-        rows.append(("also at", ", ".join(ev.aliases)))
-    if ev.detached:
-        rows.append(("note", "no longer in the guarded object; protected since it was there"))
-    if ev.placed_at:
-        rows.append(("placed", ev.placed_at))
-    if ev.blocked:
-        rows += [("values", ev.before), ("action", "raised before the write; the data is intact"),
-                 ("hint", HINT)]
-    elif ev.kind == "write":
-        rows += [("before", ev.before), ("after", ev.after or ""), ("changed", ev.diff)]
-    else:
-        rows += [("before", ev.before), ("after", ev.after or ""), ("note", ev.diff)]
-    return rows
-
-
-def detail_line(key: str, value: str) -> str:
-    """One aligned `  key      value` line of a plain-text event."""
-    return f"  {key:<8} {value}"
-
-
-def format_event(ev: MutationEvent) -> str:
-    lines = [ev.headline()] + [detail_line(key, value) for key, value in event_details(ev)]
-    return _clip("\n".join(lines))
-
-
-def _clip_value(text: str) -> str:
-    return text if len(text) <= MAX_VALUE_CHARS else text[: MAX_VALUE_CHARS - 2] + " …"
-
-
-def format_report(report: GuardReport) -> str:
-    if report.ok:
-        return f"kvguard: no in-place writes to the tensors protected in {report.name}"
-    shown = report.events[:MAX_EVENTS_SHOWN]
-    blocks = [format_event(ev) for ev in shown]
-    more = len(report.events) - len(shown) + report.cut
-    if more:
-        blocks.append(_more(more, report.cut))
-    return "\n".join(blocks)
-
-
-def _more(more: int, cut: int) -> str:
-    text = f"… and {more:,} more write{'s' if more != 1 else ''}"
-    return text + (f" ({cut:,} past KVGUARD_MAX_EVENTS, counted only)" if cut else "")
-
-
-def _clip(text: str) -> str:
-    if len(text) <= MAX_EVENT_CHARS:
-        return text
-    return text[: MAX_EVENT_CHARS - 2] + " …"
-
-
-def rich_event(ev: MutationEvent, tag: str = "") -> Any:
-    from rich.panel import Panel
-    from rich.table import Table
-    from rich.text import Text
-
-    table = Table(box=None, show_header=False, show_edge=False, pad_edge=False)
-    table.add_column(style="bold cyan", no_wrap=True)
-    table.add_column(overflow="fold")
-    for key, value in event_details(ev):
-        table.add_row(key, Text(_clip_value(value)))  # Text: user code is not rich markup
-    title = "kvguard: in-place write blocked" if ev.blocked else "kvguard: in-place write"
-    if tag:
-        title += f"  {tag}"
-    from rich.console import Group
-
-    headline = Text(_clip_value(ev.headline()), style="bold red" if ev.blocked else "bold yellow")
-    return Panel(Group(headline, table), title=title, title_align="left", expand=False)
-
-
-def rich_report(report: GuardReport) -> Any:
-    from rich.console import Group
-    from rich.text import Text
-
-    if report.ok:
-        return Text(format_report(report), style="green")
-    items = [rich_event(ev) for ev in report.events[:MAX_EVENTS_SHOWN]]
-    more = len(report.events) - len(items) + report.cut
-    if more:
-        items.append(Text(_more(more, report.cut)))
-    return Group(*items)
 
 
 def print_event(ev: MutationEvent, tag: str = "", file: Any = None) -> None:
@@ -155,8 +66,6 @@ def _width(out: Any) -> int:
 
 def run_report(run: dict[str, Any], width: Any = None) -> str:
     """One run of `kvguard report` (`_reportread.describe`): a headline, a table, notes."""
-    from kvguard._tally import plural
-
     ranks = run["ranks"]
     who = plural(len(ranks), "rank") if ranks else plural(run["processes"], "process", "processes")
     head = f"kvguard: run {run['run']} ({who}): {plural(run['calls'], 'guarded call')}, "
@@ -180,8 +89,6 @@ def run_report(run: dict[str, Any], width: Any = None) -> str:
 
 def _target_line(row: dict[str, Any]) -> str:
     """`m:f(rollout_data): 24 guarded calls, 1,344 tensors protected, no in-place writes`, across processes."""
-    from kvguard._tally import display_label, plural
-
     line = f"{display_label(row['target'])}: {plural(row['calls'], 'guarded call')}"
     if row["calls"]:
         line += f", {plural(row['protected'], 'tensor')} protected"

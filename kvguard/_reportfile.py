@@ -21,8 +21,10 @@ import sys
 import time
 from typing import Any, Optional
 
-from kvguard import _ranks
+from kvguard import _config, _ranks
 from kvguard._config import DEFAULT_MAX_EVENTS
+from kvguard._diagnostics import diagnostics
+from kvguard._errors import ConfigError
 from kvguard._render import say
 from kvguard._state import STATE
 from kvguard._tally import Tally
@@ -96,6 +98,24 @@ class ReportWriter:
             os.close(fd)
 
 
+def output() -> tuple[Optional[str], Optional[int]]:
+    """`KVGUARD_REPORT_DIR` and `KVGUARD_MAX_EVENTS` (None when unset), for report writers.
+
+    Read again when the variables change (the last reading is kept in `STATE`). Guards
+    refuse bad settings when they are made; here, where a report is being written, a bad
+    cap is one line, then the default.
+    """
+    raw = (_config.read("KVGUARD_REPORT_DIR") or None, _config.read("KVGUARD_MAX_EVENTS"))
+    if raw != STATE.output[0]:
+        try:
+            cap = _config.parse_max_events(raw[1])
+        except ConfigError as exc:
+            say(f"kvguard: {exc}; using {DEFAULT_MAX_EVENTS}")
+            cap = None
+        STATE.output = (raw, (raw[0], cap))
+    return STATE.output[1]
+
+
 def open_writer(report_dir: Optional[str | os.PathLike[str]] = None, start: bool = True) -> Optional[ReportWriter]:
     """A guard's writer: `report_dir` if given, else `KVGUARD_REPORT_DIR`; None for no files.
 
@@ -103,7 +123,7 @@ def open_writer(report_dir: Optional[str | os.PathLike[str]] = None, start: bool
     entering starts it; a target patched at import only counts in it (in a torchrun or
     Ray worker the rank is set after the imports).
     """
-    env_dir, cap = STATE.output()
+    env_dir, cap = output()
     if report_dir is not None:
         writer = writer_for(os.fspath(report_dir), "report_dir", cap)
     elif env_dir:
@@ -150,9 +170,8 @@ def finish_all() -> None:
     try:
         problems: list[str] = []
         if STATE.settings is not None and STATE.settings.targets:
-            from kvguard._startup import diagnostics
-
-            problems = [line.removeprefix("kvguard: ") for line in diagnostics(STATE)]
+            in_files = any(isinstance(x, ReportWriter) for x in STATE.listeners)
+            problems = [line.removeprefix("kvguard: ") for line in diagnostics(STATE, in_files)]
         for writer in STATE.writers.values():
             # A writer whose targets were never called starts now: its file proves the run.
             if writer is not None and writer in STATE.listeners and (writer.started or writer.tally.targets):

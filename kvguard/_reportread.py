@@ -15,7 +15,8 @@ import os
 from typing import Any, Iterator, Optional
 
 from kvguard._reportfile import FILE_PREFIX, SCHEMA
-from kvguard._tally import pattern, plural, short_site
+from kvguard._tally import pattern, short_site
+from kvguard._text import plural
 
 Record = dict[str, Any]
 _FIELDS: dict[str, dict[str, type]] = {  # what each record must hold to be read at all

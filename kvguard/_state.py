@@ -25,33 +25,12 @@ class State:
         self.writers: dict[str, Any] = {}  # report directory -> its ReportWriter, None when unusable
         self.listeners: list[Listener] = []
         self.undo: list[Callable[[], None]] = []
-        self._output: tuple[tuple[Optional[str], Optional[str]], tuple[Optional[str], Optional[int]]] = (
+        # The last reading of the report settings, by `_reportfile.output`: (raw values, parsed).
+        self.output: tuple[tuple[Optional[str], Optional[str]], tuple[Optional[str], Optional[int]]] = (
             (None, None), (None, None))
 
     def target_stats(self, target: str) -> TargetStats:
         return self.tally.target(target)
-
-    def output(self) -> tuple[Optional[str], Optional[int]]:
-        """`KVGUARD_REPORT_DIR` and `KVGUARD_MAX_EVENTS` (None when unset), for report writers.
-
-        Read again when the variables change. Guards refuse bad settings when they are
-        made; here, where a report is being written, a bad cap is one line, then the default.
-        """
-        from kvguard import _config
-
-        raw = (_config.read("KVGUARD_REPORT_DIR") or None, _config.read("KVGUARD_MAX_EVENTS"))
-        if raw != self._output[0]:
-            from kvguard._errors import ConfigError
-
-            try:
-                cap = _config.parse_max_events(raw[1])
-            except ConfigError as exc:
-                from kvguard._render import say
-
-                say(f"kvguard: {exc}; using {_config.DEFAULT_MAX_EVENTS}")
-                cap = None
-            self._output = (raw, (raw[0], cap))
-        return self._output[1]
 
     def first_sighting(self, event: Any) -> bool:
         """Whether this is the first write at its site to be shown (a panel, a warning)."""

@@ -13,6 +13,8 @@ import os
 import re
 from typing import TYPE_CHECKING, Any, Optional
 
+from kvguard._text import plural
+
 if TYPE_CHECKING:
     from kvguard._events import MutationEvent
 
@@ -42,11 +44,6 @@ def pattern(path: str) -> str:
         out.append(char)
         i += 1
     return "".join(out)
-
-
-def plural(count: int, noun: str, nouns: Optional[str] = None) -> str:
-    """`1 write`, `10,240 writes`, `2 processes`."""
-    return f"{count:,} {noun if count == 1 else nouns or noun + 's'}"
 
 
 class TargetStats:

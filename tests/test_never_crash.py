@@ -23,7 +23,7 @@ import torch
 
 import kvguard
 from kvguard import _importhook
-from kvguard._config import Target
+from kvguard._targets import Target
 
 
 # -- a swallowed MutationError -------------------------------------------------------------

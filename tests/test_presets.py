@@ -25,10 +25,11 @@ import pytest
 
 from kvguard import _config, _presets
 from kvguard.__main__ import main
-from kvguard._config import Settings, Target, parse_targets
+from kvguard._config import Settings, parse_targets
 from kvguard._errors import ConfigError
 from kvguard._presets import PRESETS, PresetTarget
 from kvguard._state import State
+from kvguard._targets import Target
 
 FAKE = Path(__file__).resolve().parent / "fake_frameworks"
 JOBS = FAKE / "jobs"
@@ -206,7 +207,7 @@ def test_missing_reason_names_what_is_gone() -> None:
 
 
 def test_a_preset_that_guarded_functions_never_called_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvguard._startup import diagnostics
+    from kvguard._diagnostics import diagnostics
 
     state = State()
     state.settings = Settings("warn", parse_targets("openrlhf,myjob:f(x)"))
@@ -216,18 +217,18 @@ def test_a_preset_that_guarded_functions_never_called_is_one_line(monkeypatch: p
         monkeypatch.setitem(sys.modules, target.module, types.ModuleType(target.module))
         state.patched.append(str(target))
         state.target_stats(str(target))
-    assert diagnostics(state) == [
+    assert diagnostics(state, False) == [
         "kvguard: preset openrlhf: none of its 2 guarded functions was called "
         "(RemoteExperienceMaker.compute_advantages_and_returns, BasePPOTrainer._compute_rollout_stats)",
         "kvguard: target myjob:f(x) was never called",
     ]
     called = state.target_stats(str(state.settings.targets[0]))
     called.calls = called.protected = 1  # one of them called: the other is for another configuration
-    assert diagnostics(state) == ["kvguard: target myjob:f(x) was never called"]
+    assert diagnostics(state, False) == ["kvguard: target myjob:f(x) was never called"]
 
 
 def test_a_moved_function_named_explicitly_satisfies_the_preset(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvguard._startup import diagnostics
+    from kvguard._diagnostics import diagnostics
 
     state = State()
     state.settings = Settings("warn", parse_targets("slime,slime.backends.megatron_utils.data:log_rollout_data(rollout_data)"))
@@ -238,7 +239,7 @@ def test_a_moved_function_named_explicitly_satisfies_the_preset(monkeypatch: pyt
         state.patched.append(str(target))
         stats = state.target_stats(str(target))
         stats.calls = stats.protected = 1
-    assert diagnostics(state) == []
+    assert diagnostics(state, False) == []
 
 
 # ── end to end: activated by KVGUARD* alone, against the replicas ──────────────────────────

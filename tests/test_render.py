@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvguard import _ranks, _render
+from kvguard import _events, _ranks, _render
 from kvguard._events import GuardReport, MutationEvent
 
 
@@ -32,13 +32,13 @@ class CountingStream(io.StringIO):
 
 
 def test_plain_text_first_line_is_one_sentence() -> None:
-    text = _render.format_event(event())
+    text = _events.format_event(event())
     assert text.splitlines()[0] == "rollout_data['kl'][0] was modified in place by aten.mul_.Tensor at loss.py:212"
     assert "  placed   loss.py:201" in text and "\x1b" not in text
 
 
 def test_blocked_event_says_the_data_is_intact() -> None:
-    text = _render.format_event(event(blocked=True, after=None))
+    text = _events.format_event(event(blocked=True, after=None))
     assert text.startswith("rollout_data['kl'][0] would be modified in place")
     assert "raised before the write; the data is intact" in text and "after" not in text
 

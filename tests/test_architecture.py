@@ -1,0 +1,164 @@
+"""kvguard's import graph, read from the source: no circles, and arrows point one way.
+
+Every `import` and `from ... import` in every module under kvguard/ counts, at module top,
+inside functions, and under `if TYPE_CHECKING:` alike: a lazy import (kept lazy so an
+unset KVGUARD and the pytest plugin import no torch) is still an arrow. `from kvguard
+import _x` is an arrow to the module `kvguard._x`, not to the package.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from typing import Iterator
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "kvguard"
+
+# Rooms in the order arrows may point: a module may import its own room and any room
+# after its own, never one before. The package itself (`kvguard`, its public names) and
+# `kvguard.__main__` sit above them all; the top-level leaves (errors, text helpers,
+# process state) below them all.
+ROOMS = ("_activate", "_guard", "_engine", "_protect", "_report")
+
+
+def module_names() -> dict[str, pathlib.Path]:
+    """Every module of the package by dotted name, compiled ones (a `.pyi` beside them) included."""
+    names: dict[str, pathlib.Path] = {}
+    for path in sorted(PACKAGE.rglob("*.py*")):
+        if path.suffix not in (".py", ".pyi") or "__pycache__" in path.parts:
+            continue
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        name = ".".join(parts)
+        if path.suffix == ".py" or name not in names:
+            names[name] = path
+    return names
+
+
+def imports(name: str, path: pathlib.Path, known: set[str]) -> Iterator[tuple[str, int]]:
+    """(module imported, line) for each import in one module that names a kvguard module."""
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in known else module for a in node.names]
+        else:
+            continue
+        for target in targets:
+            if target in known and target != name:
+                yield target, node.lineno
+
+
+def graph() -> dict[str, dict[str, int]]:
+    modules = module_names()
+    known = set(modules)
+    edges: dict[str, dict[str, int]] = {name: {} for name in modules}
+    for name, path in modules.items():
+        if path.suffix != ".py":
+            continue
+        for target, line in imports(name, path, known):
+            edges[name].setdefault(target, line)
+    return edges
+
+
+def circles(edges: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(edges[root]))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(edges[child])))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def describe(component: list[str], edges: dict[str, dict[str, int]]) -> str:
+    members = set(component)
+    arrows = [
+        f"  {name} -> {target} (line {line})"
+        for name in component
+        for target, line in sorted(edges[name].items())
+        if target in members
+    ]
+    return "circle: " + ", ".join(component) + "\n" + "\n".join(arrows)
+
+
+def room(name: str) -> int:
+    """Where a module sits: 0 the package and __main__, 1.. the rooms in order, last the leaves."""
+    parts = name.split(".")
+    if len(parts) == 1 or parts[1] == "__main__":
+        return 0
+    if parts[1] in ROOMS and (PACKAGE / parts[1]).is_dir():  # a room is a subpackage
+        return 1 + ROOMS.index(parts[1])
+    return 1 + len(ROOMS)
+
+
+def test_the_graph_is_read() -> None:
+    edges = graph()
+    assert "kvguard._errors" in edges
+    assert sum(map(len, edges.values())) > 50
+
+
+def test_no_import_circles() -> None:
+    edges = graph()
+    found = circles(edges)
+    assert not found, "\n".join(describe(c, edges) for c in found)
+
+
+def test_arrows_point_one_way_between_rooms() -> None:
+    edges = graph()
+    upward = [
+        f"{name} -> {target} (line {line})"
+        for name, targets in edges.items()
+        for target, line in targets.items()
+        if room(target) < room(name)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_circles_are_found() -> None:
+    edges = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}
+    assert circles(edges) == [["a", "b", "c"]]
