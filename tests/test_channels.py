@@ -91,7 +91,7 @@ class Row:
     record_raises: type[BaseException] | None = None  # torch's own error after the write
     marks: tuple[Any, ...] = ()
     # Whether the write hook (engines `compiled`, `kernels`) sees it at the op; when not,
-    # the exit check reports it (the README's engine table says which rows).
+    # the exit check reports it (the engine table of docs/engines.md says which rows).
     hook_sees: bool = True
     # The op the `kernels` engine names, where it differs: a custom op's own ADInplaceOrView
     # kernel is Python, which a Python kernel cannot wrap, so that engine sees the aten op

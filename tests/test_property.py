@@ -1177,7 +1177,7 @@ def programs(draw: Any) -> Program:
 
 
 # Hand-made programs that always run (explicit examples): the sibling and alias cases of
-# /work/shared/notes/torch-mutation-channels.md §4-5, every channel of the README's table,
+# /work/shared/notes/torch-mutation-channels.md §4-5, every channel of docs/protected.md's table,
 # and the bugs this test has found.
 def _u(*protected: str, late: tuple[str, ...] = (), root: str = "dict", groups: tuple[str, ...] = (),
        where: tuple[int, ...] = ()) -> Universe:

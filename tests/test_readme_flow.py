@@ -55,3 +55,26 @@ def test_demo_then_tests_then_env_var_section(tmp_path: Path) -> None:
     assert "rollout_data['kl'][0] was modified in place by aten.mul_.Tensor" in result.stderr, result.stderr
     assert "kvguard: trainer_loss:compute_advantages_and_returns(rollout_data): 2 guarded calls" in result.stderr
     assert "rollout_data['kl'][0]" in result.stdout, result.stdout  # `kvguard report reports`: the table
+
+
+def _slug(heading: str) -> str:
+    """The anchor mkdocs (and GitHub) give a heading: lower case, punctuation dropped, spaces as '-'."""
+    return re.sub(r"\s+", "-", re.sub(r"[^\w\s-]", "", heading.strip().lower()))
+
+
+def test_readme_is_short_and_links_only_to_what_exists() -> None:
+    """The README is the way in (at most 200 lines); the docs are the reference. Each relative
+    link names a file of the repository, and an anchor into a page names one of its headings."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200, f"README.md has {len(text.splitlines())} lines"
+    assert "shared/notes" not in text
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert any(link.startswith("docs/") for link in links), "the README links into the docs"
+    for link in links:
+        assert not link.startswith(("http://", "https://", "/")), f"README links outside the repository: {link}"
+        path, _, anchor = link.partition("#")
+        target = ROOT / path
+        assert target.is_file(), f"README links to {path}, which does not exist"
+        if anchor:
+            headings = re.findall(r"^#+ (.*)$", target.read_text(), re.M)
+            assert anchor in {_slug(h) for h in headings}, f"{path} has no heading for #{anchor}"

@@ -1,5 +1,5 @@
 """`examples/rl_advantages.py` under a real 2-process torchrun on megatron-core's `parallel_state`
-(gloo, CPU), kvguard switched on by the environment only: the README's Megatron section.
+(gloo, CPU), kvguard switched on by the environment only: the Megatron section of docs/jobs/torchrun.md.
 
 Each run costs two Megatron imports (seconds each): three runs in all.
 """
@@ -138,7 +138,7 @@ def test_pp2_first_stage_did_not_run_the_code_and_says_so(tmp_path: Path) -> Non
 
 
 def test_the_readme_runs_these_commands() -> None:
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "jobs" / "torchrun.md").read_text()  # the docs page the README links to
     section = readme[readme.index("## Megatron-core"):]
     assert f'export KVGUARD_TARGETS="{TARGET}"' in section
     assert "KVGUARD=warn KVGUARD_REPORT_DIR=r torchrun --nproc-per-node 2 examples/rl_advantages.py --cp 2 --bug" \
