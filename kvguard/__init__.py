@@ -14,8 +14,8 @@ from kvguard._errors import ConfigError as ConfigError
 from kvguard._errors import GuardWarning as GuardWarning
 from kvguard._errors import MutationError as MutationError
 from kvguard._errors import MutationWarning as MutationWarning
-from kvguard._events import GuardReport as GuardReport
-from kvguard._events import MutationEvent as MutationEvent
+from kvguard._report.events import GuardReport as GuardReport
+from kvguard._report.events import MutationEvent as MutationEvent
 from kvguard._guard import Guard as Guard
 from kvguard._guard import guard as guard
 

@@ -103,7 +103,7 @@ def _version_text() -> str:
     """`kvguard 0.2.0 (torch 2.13.0+cpu, Python 3.11.7)`, without importing torch."""
     import platform
 
-    from kvguard._reportfile import _version
+    from kvguard._report.files import _version
 
     torch = _version("torch")
     return f"kvguard {kvguard.__version__} ({f'torch {torch}, ' if torch else ''}Python {platform.python_version()})"
@@ -147,9 +147,9 @@ def _report(opts: Any) -> int:
     """Print the runs in the files; 0: every run clean, 1: events, 2: no run found."""
     import json
 
-    from kvguard import _reportread
-    from kvguard._render import run_report
-    from kvguard._reportfile import SCHEMA
+    from kvguard._report import read as _reportread
+    from kvguard._report.render import run_report
+    from kvguard._report.files import SCHEMA
     from kvguard._text import plural
 
     runs, skipped = _reportread.load(opts.path)

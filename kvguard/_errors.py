@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from kvguard._events import GuardReport, MutationEvent
+    from kvguard._report.events import GuardReport, MutationEvent
 
 
 class MutationError(RuntimeError):

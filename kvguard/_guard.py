@@ -12,12 +12,16 @@ import threading
 import warnings
 from typing import Any, Callable, Collection, Literal, Optional, TypeVar
 
-from kvguard import _frames, _handlers, _ranks, _render, _reportfile
+from kvguard import _frames, _handlers, _ranks
+
+from kvguard._report import render as _render
+
+from kvguard._report import files as _reportfile
 from kvguard._allow import Allowlist
 from kvguard._allow import boundaries as allow_boundaries
 from kvguard._config import DEFAULT_MAX_EVENTS, GuardDefaults, guard_defaults, parse_level
 from kvguard._errors import ConfigError, GuardWarning, MutationError, MutationWarning
-from kvguard._events import GuardReport, MutationEvent, detail_line, format_event
+from kvguard._report.events import GuardReport, MutationEvent, detail_line, format_event
 from kvguard._state import STATE
 
 ACTIONS = ("raise", "warn", "record")

@@ -17,13 +17,13 @@ import wrapt
 
 from kvguard import _calls
 from kvguard._config import Calls
-from kvguard._diagnostics import WALKED, first_hints
+from kvguard._report.diagnostics import WALKED, first_hints
 from kvguard._guard import Guard, guardable
-from kvguard._render import say
-from kvguard._reportfile import open_writer
+from kvguard._report.render import say
+from kvguard._report.files import open_writer
 from kvguard._state import STATE
 from kvguard._targets import Target
-from kvguard._tally import TargetStats
+from kvguard._report.tally import TargetStats
 
 _MARK = "__kvguard_target__"
 

@@ -15,7 +15,7 @@ import torch
 
 from kvguard import _diff, _frames, _torch
 from kvguard._errors import MutationError
-from kvguard._events import MutationEvent
+from kvguard._report.events import MutationEvent
 from kvguard._protect import Entry, ProtectedSet
 
 FREED_DIFF = "values not compared (the tensor was freed before they could be read)"

@@ -105,7 +105,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     hint = not_activated_hint()
     if hint:
-        from kvguard._render import say
+        from kvguard._report.render import say
 
         say(hint)
 

@@ -26,7 +26,7 @@ def activate() -> None:
     try:
         _start()
     except Exception as exc:  # noqa: BLE001 - a debug switch must not kill the job
-        from kvguard._render import say
+        from kvguard._report.render import say
 
         say(f"kvguard: not activated: {exc}")
 
@@ -71,7 +71,7 @@ def _start() -> None:
     import atexit
 
     from kvguard import _config
-    from kvguard._render import say
+    from kvguard._report.render import say
     from kvguard._state import STATE
 
     settings = _config.from_env(os.environ)
@@ -85,7 +85,7 @@ def _start() -> None:
 
     _ranks.run_id()  # exported now, so the processes this one starts share it (torchrun's workers)
     if settings.report_dir:
-        from kvguard._reportfile import output, writer_for
+        from kvguard._report.files import output, writer_for
 
         # Checked now; the header waits for a target, so torchrun's agent writes none.
         writer_for(settings.report_dir, "KVGUARD_REPORT_DIR", output()[1])
@@ -96,9 +96,9 @@ def _start() -> None:
 
 def _print_summary() -> None:
     from kvguard import _ranks
-    from kvguard._diagnostics import diagnostics
-    from kvguard._reportfile import ReportWriter
-    from kvguard._render import say
+    from kvguard._report.diagnostics import diagnostics
+    from kvguard._report.files import ReportWriter
+    from kvguard._report.render import say
     from kvguard._state import STATE
 
     if not STATE.patched and not STATE.tally.calls and _is_helper_process():

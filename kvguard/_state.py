@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Optional
 
-from kvguard._tally import SiteKey, Tally, TargetStats
+from kvguard._report.tally import SiteKey, Tally, TargetStats
 
 Listener = Callable[[Any, Any], None]  # (MutationEvent, Guard)
 
@@ -56,7 +56,7 @@ class State:
         """Stop sending events to a listener that failed, saying so in one line."""
         if listener in self.listeners:
             self.listeners.remove(listener)
-        from kvguard._render import say
+        from kvguard._report.render import say
 
         say(f"kvguard: {listener} failed ({exc}); it gets no further events")
 

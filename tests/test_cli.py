@@ -20,8 +20,8 @@ import pytest
 
 import kvguard
 import kvguard.__main__ as cli
-from kvguard._events import MutationEvent
-from kvguard._reportfile import ReportWriter
+from kvguard._report.events import MutationEvent
+from kvguard._report.files import ReportWriter
 
 ROOT = Path(__file__).resolve().parent.parent
 # The one line kvguard prints in a process that made one clean guarded call.

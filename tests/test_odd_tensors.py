@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import kvguard
-from kvguard import _diff, _render
-from kvguard._events import MutationEvent
+from kvguard import _diff
+from kvguard._report import render as _render
+from kvguard._report.events import MutationEvent
 
 ACTIONS = ("record", "warn", "raise")
 FLOAT8 = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",

@@ -207,7 +207,7 @@ def test_missing_reason_names_what_is_gone() -> None:
 
 
 def test_a_preset_that_guarded_functions_never_called_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvguard._diagnostics import diagnostics
+    from kvguard._report.diagnostics import diagnostics
 
     state = State()
     state.settings = Settings("warn", parse_targets("openrlhf,myjob:f(x)"))
@@ -228,7 +228,7 @@ def test_a_preset_that_guarded_functions_never_called_is_one_line(monkeypatch: p
 
 
 def test_a_moved_function_named_explicitly_satisfies_the_preset(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvguard._diagnostics import diagnostics
+    from kvguard._report.diagnostics import diagnostics
 
     state = State()
     state.settings = Settings("warn", parse_targets("slime,slime.backends.megatron_utils.data:log_rollout_data(rollout_data)"))

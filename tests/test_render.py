@@ -7,8 +7,12 @@ from typing import Any
 
 import pytest
 
-from kvguard import _events, _ranks, _render
-from kvguard._events import GuardReport, MutationEvent
+from kvguard import _ranks
+
+from kvguard._report import events as _events
+
+from kvguard._report import render as _render
+from kvguard._report.events import GuardReport, MutationEvent
 
 
 def event(**changes: Any) -> MutationEvent:

@@ -25,9 +25,9 @@ import kvguard
 from kvguard import _config, _ranks
 from kvguard._allow import Allowlist, parse_patterns
 from kvguard._errors import ConfigError
-from kvguard._events import MutationEvent
-from kvguard._reportfile import SCHEMA
-from kvguard._tally import pattern
+from kvguard._report.events import MutationEvent
+from kvguard._report.files import SCHEMA
+from kvguard._report.tally import pattern
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "examples" / "long_job"

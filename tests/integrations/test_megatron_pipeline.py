@@ -25,7 +25,7 @@ import kvguard
 import kvguard_megatron
 from kvguard import _ranks
 from kvguard._state import STATE
-from kvguard._tally import Tally
+from kvguard._report.tally import Tally
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGE0 = "not the last pipeline stage: pp=0 of 2"

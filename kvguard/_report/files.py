@@ -23,11 +23,11 @@ from typing import Any, Optional
 
 from kvguard import _config, _ranks
 from kvguard._config import DEFAULT_MAX_EVENTS
-from kvguard._diagnostics import diagnostics
+from kvguard._report.diagnostics import diagnostics
 from kvguard._errors import ConfigError
-from kvguard._render import say
+from kvguard._report.render import say
 from kvguard._state import STATE
-from kvguard._tally import Tally
+from kvguard._report.tally import Tally
 
 SCHEMA = 1  # raised when a field changes meaning or goes away; new fields keep it
 FILE_PREFIX = "kvguard-rank"

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from kvguard._text import plural
 
 if TYPE_CHECKING:
-    from kvguard._events import MutationEvent
+    from kvguard._report.events import MutationEvent
 
 SiteKey = tuple[str, int, str]  # (filename, lineno, op)
 MAX_SITE_LINES = 20  # exit lines; report files keep every site

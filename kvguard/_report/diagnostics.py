@@ -13,7 +13,7 @@ import sys
 
 from kvguard._presets import diagnostics as preset_lines, is_preset
 from kvguard._state import State
-from kvguard._tally import TargetStats, not_run_reasons
+from kvguard._report.tally import TargetStats, not_run_reasons
 from kvguard._targets import Target
 from kvguard._text import plural
 
