@@ -30,14 +30,19 @@ CLEAN_JOB = "def step(batch):\n    return sorted(batch)\n"
 DIRTY_JOB = "def step(batch):\n    batch['x'].add_(1)\n"
 
 
-@pytest.fixture(scope="session")
-def plain_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    home = tmp_path_factory.mktemp("plain-venv")
+def _venv_with_test_deps(home: Path) -> tuple[Path, Path]:
+    """A venv at `home` (no kvguard installed) that sees this run's packages: its python, its site dir."""
     venv.EnvBuilder(with_pip=False).create(home)
     python = home / "bin" / "python"
     site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                check=True, capture_output=True, text=True).stdout.strip())
     (site / "00-test-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python, site
+
+
+@pytest.fixture(scope="session")
+def plain_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    python, site = _venv_with_test_deps(tmp_path_factory.mktemp("plain-venv"))
     # That path also holds kvguard's own metadata, whose rank-tag entry point names
     # kvguard_megatron: make it importable as the editable install does.
     (site / "kvguard_megatron").symlink_to(ROOT / "integrations" / "megatron")
@@ -370,11 +375,7 @@ def checkout_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A venv whose only kvguard is this source checkout on PYTHONPATH: `kvguard.egg-info`'s
     rank-tag entry point names `kvguard_megatron`, which is not importable from it."""
     home = tmp_path_factory.mktemp("checkout-venv")
-    venv.EnvBuilder(with_pip=False).create(home)
-    python = home / "bin" / "python"
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True).stdout.strip())
-    (site / "00-test-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    python, _ = _venv_with_test_deps(home)
     probe = run(python, "-c", "import importlib.util as u; print(u.find_spec('kvguard_megatron'))", cwd=home)
     assert probe.stdout == "None\n", "the integration must not be importable in this venv"
     return python
