@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import re
 from typing import Callable, Iterable, Iterator, Optional
 
 from kvguard._errors import ConfigError
+from kvguard._paths import check_pattern, matcher
 
 _reason: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("kvguard_allow", default=None)
 # The boundary checks of the active guards (each one decides whether it runs on this thread),
 # run as an allow block begins and as it ends.
 boundaries: list[Callable[[], None]] = []
-_INDEX = r"\[-?\d+\]"
-_STAR = re.escape("[*]")
-_EXAMPLE = "rollout_data['advantages'][*]"
 
 
 @contextlib.contextmanager
@@ -71,8 +68,7 @@ class Allowlist:
         if isinstance(patterns, str):
             patterns = (patterns,)
         self.patterns = tuple(check_pattern(p, source) for p in patterns)
-        self._compiled = [(p, re.compile(re.escape(p).replace(_STAR, _INDEX) + r"(?=$|[\[.])"))
-                          for p in self.patterns]
+        self._compiled = [(p, matcher(p)) for p in self.patterns]
 
     def reason(self, path: str) -> Optional[str]:
         """Why a write to `path` is allowed (`allow=PATTERN`, `kvguard.allow('...')`), or None."""
@@ -83,51 +79,3 @@ class Allowlist:
             if compiled.match(path):
                 return f"allow={pattern}"
         return None
-
-
-def check_pattern(pattern: object, source: str) -> str:
-    """`pattern`, stripped, if its brackets and quotes close; else a ConfigError naming `source`."""
-    if not isinstance(pattern, str) or not pattern.strip() or not _balanced(pattern.strip()):
-        raise ConfigError(f"invalid allow pattern {pattern!r} in {source}; expected a path as reports print it, "
-                          f"e.g. {_EXAMPLE}")
-    return pattern.strip()
-
-
-def parse_patterns(value: str, source: str) -> tuple[str, ...]:
-    """Comma-separated patterns (commas inside brackets or quotes belong to the pattern)."""
-    return tuple(check_pattern(p, source) for p in _split(value) if p.strip())
-
-
-def _split(value: str) -> list[str]:
-    parts, current, depth, quote = [], "", 0, ""
-    for char in value:
-        if quote:
-            quote = "" if char == quote else quote
-        elif char in "'\"":
-            quote = char
-        elif char in "[(":
-            depth += 1
-        elif char in "])":
-            depth -= 1
-        elif char == "," and depth == 0:
-            parts.append(current)
-            current = ""
-            continue
-        current += char
-    return parts + [current]
-
-
-def _balanced(pattern: str) -> bool:
-    depth, quote = 0, ""
-    for char in pattern:
-        if quote:
-            quote = "" if char == quote else quote
-        elif char in "'\"":
-            quote = char
-        elif char == "[":
-            depth += 1
-        elif char == "]":
-            depth -= 1
-            if depth < 0:
-                return False
-    return depth == 0 and not quote

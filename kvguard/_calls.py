@@ -31,7 +31,7 @@ from kvguard._report import files as _reportfile
 from kvguard._config import guard_defaults
 from kvguard._errors import MutationError
 from kvguard._guard import Guard, _check_action, _check_level
-from kvguard._report.render import say
+from kvguard._text import say
 
 F = TypeVar("F", bound=Callable[..., Any])
 MISSING: Any = object()  # the argument was not passed (left at its default), or the call cannot bind

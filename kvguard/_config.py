@@ -21,6 +21,7 @@ import os
 import re
 from typing import Mapping, Optional
 
+from kvguard import _presets
 from kvguard._errors import ConfigError
 from kvguard._targets import Target, parse_target
 
@@ -105,7 +106,7 @@ def guard_defaults(environ: Optional[Mapping[str, str]] = None) -> GuardDefaults
 
 
 def _parse_guard_defaults(values: dict[str, str]) -> GuardDefaults:
-    from kvguard._allow import parse_patterns
+    from kvguard._paths import parse_patterns
 
     def given(name: str) -> Optional[str]:
         return values[name] or None
@@ -213,8 +214,6 @@ def parse_targets(value: str, source: str = env_source("KVGUARD_TARGETS")) -> tu
     targets: list[Target] = []
     for item in filter(str.strip, value.split(",")):
         if ":" not in item:
-            from kvguard import _presets
-
             expanded: tuple[Target, ...] = _presets.expand(item, source)
         else:
             expanded = (parse_target(item, source),)

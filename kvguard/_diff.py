@@ -18,6 +18,7 @@ from typing import (Any, Callable, Concatenate, Iterator, NamedTuple, Optional, 
 import torch
 
 from kvguard import _torch
+from kvguard._text import plural
 
 SHOW_VALUES = 4  # sample values shown in a summary or a diff
 CHUNK = 1 << 18  # elements per step of a pass over the values: temporaries stay a few MB
@@ -544,7 +545,7 @@ def _diff_text(t: torch.Tensor, before: Optional[torch.Tensor], ranges: Optional
     if found.max_delta is not None:
         parts.append(f"max |Δ| {_fmt(found.max_delta)}")
     if before.dtype.is_signed and not before.dtype.is_complex:
-        parts.append(f"{found.flips} sign flip{'s' if found.flips != 1 else ''}")
+        parts.append(plural(found.flips, 'sign flip'))
     samples = "   ".join(f"[{_label(i, data)}] {_fmt(b)} → {_fmt(a)}" for i, b, a in found.samples)
     more = f"   … (+{found.count - SHOW_VALUES})" if found.count > SHOW_VALUES else ""
     return _to_flat(found.samples[0][0], data), ", ".join(parts) + "; " + samples + more

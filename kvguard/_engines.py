@@ -142,6 +142,6 @@ def attach(judge: WriteJudge) -> Any:
 def _say_once(key: str, line: str) -> None:
     if key not in _said:
         _said.add(key)
-        from kvguard._report.render import say
+        from kvguard._text import say
 
         say(line)

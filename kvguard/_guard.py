@@ -23,6 +23,8 @@ from kvguard._config import DEFAULT_MAX_EVENTS, GuardDefaults, guard_defaults, p
 from kvguard._errors import ConfigError, GuardWarning, MutationError, MutationWarning
 from kvguard._report.events import GuardReport, MutationEvent, detail_line, format_event
 from kvguard._state import STATE
+from kvguard._report.process import PROCESS
+from kvguard._text import say
 
 ACTIONS = ("raise", "warn", "record")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -100,8 +102,8 @@ class Guard:
         # a guard made but never entered (the pytest plugin's "off") counts nowhere.
         writer = _reportfile.open_writer(self._report_dir_option)
         self.report_dir = writer.directory if writer is not None else None
-        self._tallies = [STATE.tally] + ([writer.tally] if writer is not None else [])
-        self.call = STATE.tally.begin_call(self._label)
+        self._tallies = [PROCESS.tally] + ([writer.tally] if writer is not None else [])
+        self.call = PROCESS.tally.begin_call(self._label)
         for tally in self._tallies[1:]:
             tally.begin_call(self._label)
         from kvguard._protect import ProtectedSet
@@ -217,7 +219,7 @@ class Guard:
         except Exception as exc:  # noqa: BLE001 - a warnings filter set to "error", or a broken hook
             self.unraised_warnings.append(exc if isinstance(exc, Warning) else category(message))
             if category is not MutationWarning:  # a MutationWarning's panel is printed already
-                _render.say(f"kvguard: {message}")
+                say(f"kvguard: {message}")
 
     def check(self) -> list[MutationEvent]:
         """Run the boundary checks now; returns the events recorded since the last `check()`.
@@ -288,14 +290,14 @@ class Guard:
             self.report.events.append(event)
         else:
             self.report.cut += 1
-        STATE.publish(event, self)
+        PROCESS.publish(event, self)
         if self.action == "raise" and not at_exit:
             error = MutationError(format_event(event), event, self.report)
             if _handlers.caught_by_its_own_class(error, sys._getframe(1)):
                 error.seen_cell[0] = True  # `except MutationError:`, `pytest.raises(MutationError)`: expected
             self._raised = [r for r in self._raised if not r[0][0]] + [(error.seen_cell, error.args[0], event)]
             raise error
-        if self.action == "warn" and STATE.first_sighting(event):  # later writes at the site: counted
+        if self.action == "warn" and PROCESS.first_sighting(event):  # later writes at the site: counted
             _render.print_event(event, tag=_ranks.rank_tag())
             self._warn(event.headline(), MutationWarning, event.filename, event.lineno)
 

@@ -19,9 +19,10 @@ from kvguard import _calls
 from kvguard._config import Calls
 from kvguard._report.diagnostics import WALKED, first_hints
 from kvguard._guard import Guard, guardable
-from kvguard._report.render import say
+from kvguard._text import say
 from kvguard._report.files import open_writer
 from kvguard._state import STATE
+from kvguard._report.process import PROCESS
 from kvguard._targets import Target
 from kvguard._report.tally import TargetStats
 
@@ -112,7 +113,7 @@ def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: An
                      target=label, level=level)
 
     def finish(g: Guard) -> None:
-        STATE.target_stats(label).keys_seen.update(g.keys_seen)
+        PROCESS.target_stats(label).keys_seen.update(g.keys_seen)
 
     wrapper = _calls.wrap(inner, target.argname, start, f"target {label}", finish)
     setattr(wrapper, _MARK, str(target))
@@ -163,7 +164,7 @@ def _holds_tensor(value: Any) -> bool:
 def _tallies(label: str) -> list[TargetStats]:
     """The target's counts for the process and, when report files are written, for its directory."""
     writer = open_writer(start=False)
-    return [STATE.target_stats(label)] + ([writer.tally.target(label)] if writer is not None else [])
+    return [PROCESS.target_stats(label)] + ([writer.tally.target(label)] if writer is not None else [])
 
 
 def _type_name(value: Any) -> str:

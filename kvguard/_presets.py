@@ -3,7 +3,8 @@
 An entry of `KVGUARD_TARGETS` without a colon is a preset name (any case; `_` or `-`).
 Each preset was found by reading the framework's source at the commit it names; nothing
 of that code is copied here, only where the functions are and which argument holds the
-rollout data. Stdlib only: `_config` imports this at start-up when a preset is named.
+rollout data. Stdlib only, and imports only kvguard's leaves: activation expands the names,
+the exit diagnostics read the same data.
 
 slime (https://github.com/THUDM/slime, commit 624b824a898ab0ec1fcb4d373004c7f3852bf515,
 2026-08-21; release v0.3.1 is commit a6272da0d4f3d0a08520c99a2f3b4f6c887960dc):
@@ -34,21 +35,18 @@ NeMo-RL (https://github.com/NVIDIA-NeMo/RL, commit 7ea279abfbeb698b092856d0dab61
 
 Version drift is expected: a preset function missing from the installed version (a module
 that does not exist, a function or method that is gone, an argument renamed) is one
-`kvguard:` line at exit, never an error (`diagnostics`).
+`kvguard:` line at exit, never an error (`kvguard._report.diagnostics`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from kvguard._errors import ConfigError
 from kvguard._targets import Target, parse_target
 from kvguard._text import plural
-
-if TYPE_CHECKING:
-    from kvguard._state import State
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,95 +239,6 @@ def _missing_reason(target: PresetTarget, module: Any) -> Optional[str]:
 
 def is_preset(target: Target) -> bool:
     return isinstance(target, PresetTarget)
-
-
-def diagnostics(targets: Iterable[Target], state: "State") -> list[str]:
-    """The exit lines for the presets in `targets`: what they could not guard in this process.
-
-    Per preset: one line when its framework was never imported here; else one line per
-    function missing in the installed version; one line when the process imported none
-    of the modules it guards (they run in another process); one line when it guarded
-    functions but none of them was called. A function that is present, patched and
-    called gets the per-target lines every target gets (`_diagnostics.diagnostics`).
-    """
-    slots: dict[str, dict[str, list[PresetTarget]]] = {}
-    for target in targets:
-        if isinstance(target, PresetTarget):
-            slots.setdefault(target.preset, {}).setdefault(target.slot, []).append(target)
-    lines = []
-    for name, by_slot in slots.items():
-        preset = PRESETS[name]
-        label = f"kvguard: preset {preset.name}"
-        if preset.package not in sys.modules:
-            lines.append(f"{label}: this process never imported {preset.package}, so none of its "
-                         f"{plural(len(by_slot), 'function')} was guarded here")
-            continue
-        patched: list[PresetTarget] = []
-        absent: list[str] = []  # modules that may hold a function, never imported here
-        guarded = {label.partition("(")[0] for label in state.patched}  # an explicit target's too
-        places = {f.target: [f.target, *(where for where, _ in f.also)] for f in preset.functions}
-        for slot, located in by_slot.items():
-            patched.extend(t for t in located if str(t) in state.patched)
-            if any(place.partition("(")[0] in guarded for place in places[slot]):
-                continue
-            reasons = [_drift(t) for t in located]
-            if all(reasons):
-                first, *others = zip(located, reasons)
-                lines.append(f"{label}: {first[0]} is not in {_version(preset)} ({first[1]})"
-                             + "".join(f", nor is {t} ({r})" for t, r in others) + "; not guarded")
-            else:
-                absent += [t.module for t, r in zip(located, reasons) if r is None and t.module not in sys.modules]
-        if absent and not patched:
-            lines.append(f"{label} guarded nothing here: this process imported {preset.package} but not "
-                         f"{', '.join(dict.fromkeys(absent))}, where its functions are (they run in another "
-                         "process?)")
-        stats = state.tally.targets
-        if patched and not any(_was_called(stats.get(str(t))) for t in patched):
-            names = list(dict.fromkeys(t.qualname for t in patched))
-            lines.append(f"{label}: its guarded function {names[0]} was never called" if len(names) == 1 else
-                         f"{label}: none of its {len(names)} guarded functions was called ({', '.join(names)})")
-    return lines
-
-
-def _drift(target: PresetTarget) -> Optional[str]:
-    """Why `target` is not in the installed version, or None when it may be (or is not imported)."""
-    if target.module in sys.modules:
-        return missing_reason(target)
-    import importlib.util
-
-    parts = target.module.split(".")
-    for i in range(1, len(parts) + 1):
-        name = ".".join(parts[:i])
-        if name in sys.modules:
-            continue
-        if ".".join(parts[:i - 1]) not in sys.modules:
-            return None  # its parent was never imported: cannot tell without importing it
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except Exception:  # noqa: BLE001 - e.g. the parent is a module, not a package
-            found = False
-        return None if found else f"no module named {name!r}"
-    return None
-
-
-def _version(preset: Preset) -> str:
-    """`verl 0.6.0` as the installed framework says it, else `this version of verl`."""
-    version = getattr(sys.modules.get(preset.package), "__version__", None)
-    if not isinstance(version, str):
-        try:
-            from importlib import metadata
-
-            version = metadata.version(preset.distribution)
-        except Exception:  # noqa: BLE001 - not installed as a distribution (a source checkout)
-            return f"this version of {preset.framework}"
-    return f"{preset.framework} {version}"
-
-
-def _was_called(stats: Any) -> bool:
-    if stats is None:
-        return False
-    return bool(stats.calls or stats.unguarded_calls or sum(stats.unguardable.values())
-                or sum(getattr(stats, "not_run", {}).values()))
 
 
 def describe(names: Iterable[str] = (), width: int = 100) -> str:

@@ -105,7 +105,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     hint = not_activated_hint()
     if hint:
-        from kvguard._report.render import say
+        from kvguard._text import say
 
         say(hint)
 
@@ -166,9 +166,9 @@ def mutation_guard(request: pytest.FixtureRequest) -> Iterator[MutationGuardFixt
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
-    from kvguard._state import STATE
+    from kvguard._report.process import PROCESS
 
-    STATE.shown.clear()  # as pytest resets warning registries: each test shows its own first write per site
+    PROCESS.shown.clear()  # as pytest resets warning registries: each test shows its own first write per site
     start = len(item.stash.setdefault(_GUARDS, []))
     try:
         _enter_marked(item)

@@ -26,7 +26,7 @@ def activate() -> None:
     try:
         _start()
     except Exception as exc:  # noqa: BLE001 - a debug switch must not kill the job
-        from kvguard._report.render import say
+        from kvguard._text import say
 
         say(f"kvguard: not activated: {exc}")
 
@@ -71,8 +71,9 @@ def _start() -> None:
     import atexit
 
     from kvguard import _config
-    from kvguard._report.render import say
+    from kvguard._text import say
     from kvguard._state import STATE
+    from kvguard._report.process import PROCESS
 
     settings = _config.from_env(os.environ)
     if not settings.active or STATE.started:
@@ -98,13 +99,14 @@ def _print_summary() -> None:
     from kvguard import _ranks
     from kvguard._report.diagnostics import diagnostics
     from kvguard._report.files import ReportWriter
-    from kvguard._report.render import say
+    from kvguard._text import say
     from kvguard._state import STATE
+    from kvguard._report.process import PROCESS
 
-    if not STATE.patched and not STATE.tally.calls and _is_helper_process():
+    if not STATE.patched and not PROCESS.tally.calls and _is_helper_process():
         return  # torchrun's agent, a DataLoader worker: not where the targets run
-    say("\n".join(STATE.tally.lines(_ranks.rank_tag(), calls=str(STATE.settings.calls))))
-    for line in diagnostics(STATE, any(isinstance(x, ReportWriter) for x in STATE.listeners)):
+    say("\n".join(PROCESS.tally.lines(_ranks.rank_tag(), calls=str(STATE.settings.calls))))
+    for line in diagnostics(STATE, PROCESS, any(isinstance(x, ReportWriter) for x in PROCESS.listeners)):
         say(line)
 
 

@@ -1,17 +1,16 @@
-"""All process-global kvguard state, in one object that tests can `reset()`. Stdlib only."""
+"""Process-global activation state, in one object: what env activation set up, and its undo. Stdlib only.
+
+What the process's guards reported (the tally, report writers, listeners) is reporting's
+own state: `kvguard._report.process`.
+"""
 
 from __future__ import annotations
 
-import os
-from typing import Any, Callable, Optional
-
-from kvguard._report.tally import SiteKey, Tally, TargetStats
-
-Listener = Callable[[Any, Any], None]  # (MutationEvent, Guard)
+from typing import Any, Callable
 
 
 class State:
-    """Env activation's settings, what every guard saw, report writers, listeners, and undo."""
+    """Env activation's settings, whether it ran, the targets it patched, and how to undo it."""
 
     def __init__(self) -> None:
         self.reset()
@@ -20,45 +19,7 @@ class State:
         self.settings: Any = None
         self.started = False
         self.patched: list[str] = []  # targets guarded in this process
-        self.tally = Tally()  # every guard of the process, for the exit summary
-        self.shown: set[SiteKey] = set()  # sites whose first write was printed
-        self.writers: dict[str, Any] = {}  # report directory -> its ReportWriter, None when unusable
-        self.listeners: list[Listener] = []
         self.undo: list[Callable[[], None]] = []
-        # The last reading of the report settings, by `_reportfile.output`: (raw values, parsed).
-        self.output: tuple[tuple[Optional[str], Optional[str]], tuple[Optional[str], Optional[int]]] = (
-            (None, None), (None, None))
-
-    def target_stats(self, target: str) -> TargetStats:
-        return self.tally.target(target)
-
-    def first_sighting(self, event: Any) -> bool:
-        """Whether this is the first write at its site to be shown (a panel, a warning)."""
-        key = (event.filename, event.lineno, event.op)
-        if key in self.shown:
-            return False
-        self.shown.add(key)
-        return True
-
-    def publish(self, event: Any, guard: Any) -> None:
-        """Tell every listener (report files) about an event.
-
-        A listener that fails is dropped with one line on stderr: writing a report must
-        never replace the user's error or stop the op.
-        """
-        for listener in list(self.listeners):
-            try:
-                listener(event, guard)
-            except Exception as exc:  # noqa: BLE001
-                self.drop(listener, exc)
-
-    def drop(self, listener: Any, exc: Exception) -> None:
-        """Stop sending events to a listener that failed, saying so in one line."""
-        if listener in self.listeners:
-            self.listeners.remove(listener)
-        from kvguard._report.render import say
-
-        say(f"kvguard: {listener} failed ({exc}); it gets no further events")
 
     def uninstall(self) -> None:
         """Undo every patch kvguard made in this process, newest first."""

@@ -18,7 +18,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "kvguard"
 # after its own, never one before. The package itself (`kvguard`, its public names) and
 # `kvguard.__main__` sit above them all; the top-level leaves below them all.
 ROOMS = ("_activate", "_guard", "_engine", "_protect", "_report")
-LEAVES = ("_errors", "_text")  # every room may use them; they import no room
+LEAVES = ("_errors", "_text", "_paths", "_config", "_ranks", "_state", "_targets", "_presets")  # import no room
 # Arrows up the rooms, each for a reason, each an import under `if TYPE_CHECKING:` only.
 TYPED_UP = {
     ("kvguard._errors", "kvguard._report.events"): "MutationError carries its event and report, typed",

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import kvguard
-from kvguard._state import STATE
+from kvguard._report.process import PROCESS
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = ("compiled", "kernels", "mode")
@@ -229,13 +229,13 @@ def test_a_generator_abandoned_half_way_is_checked_and_let_go(each_engine: str) 
             rd["adv"].add_(1)  # runs at close: still the generator's own
 
     rd = rollout()
-    calls = STATE.tally.calls
+    calls = PROCESS.tally.calls
     it = gen(rd)
     assert next(it) == 0 and next(it) == 1
     rd["kl"][0].add_(5)  # the consumer's, while it is suspended
     del it
     gc.collect()
-    assert STATE.tally.calls == calls + 1
+    assert PROCESS.tally.calls == calls + 1
     assert where(gen.last_report) == [("rd['adv']", "aten.add_.Tensor", 'rd["adv"].add_(1)  # runs at close: '
                                        "still the generator's own")]
     rd["adv"].add_(1)  # no longer guarded: the conftest also checks that no guard is left attached
@@ -246,11 +246,11 @@ def test_a_generator_never_started_guards_nothing_and_counts_no_call() -> None:
     def gen(rd: Any) -> Iterator[int]:
         yield 1
 
-    calls = STATE.tally.calls
+    calls = PROCESS.tally.calls
     it = gen(rollout())
     del it
     gc.collect()
-    assert STATE.tally.calls == calls and gen.last_report is None
+    assert PROCESS.tally.calls == calls and gen.last_report is None
 
 
 def test_exceptions_thrown_in_reach_the_body_and_the_guard_goes_on(each_engine: str) -> None:
@@ -401,11 +401,11 @@ def test_a_plain_function_returning_a_coroutine_or_generator_guards_it_to_its_en
     assert where(step.last_report) == [("rd['kl'][0]", "aten.add_.Tensor", 'rd["kl"][0].add_(1)')]
     assert list(rows(rd)) == [1]
     assert where(rows.last_report) == [("rd['adv']", "aten.add_.Tensor", 'rd["adv"].add_(1)')]
-    calls = STATE.tally.calls
+    calls = PROCESS.tally.calls
     dropped = rows(rd)  # never iterated: its guard is closed when it goes
     del dropped
     gc.collect()
-    assert STATE.tally.calls == calls + 1 and rows.last_report.ok
+    assert PROCESS.tally.calls == calls + 1 and rows.last_report.ok
 
 
 def test_a_plain_function_returning_a_task_says_that_the_task_is_not_guarded(capsys: Any) -> None:
@@ -519,9 +519,9 @@ def test_the_repro_as_env_targets(tmp_path: Path) -> None:
             except kvguard.MutationError as exc:
                 print("blocked", exc.event.code)
         print(asyncio.run(quiet(rd)), rd["kl"][0].tolist())
-        from kvguard._state import STATE
-        print({label.split(":")[1]: stats.calls for label, stats in STATE.tally.targets.items()},
-              "writes", STATE.tally.writes)
+        from kvguard._report.process import PROCESS
+        print({label.split(":")[1]: stats.calls for label, stats in PROCESS.tally.targets.items()},
+              "writes", PROCESS.tally.writes)
     """, KVGUARD="raise", KVGUARD_TARGETS=TARGETS)
     assert result.stdout.splitlines() == [
         'blocked async def acompute(rollout_data): rollout_data["kl"][0].add_(1)',
@@ -547,12 +547,12 @@ def test_an_env_target_coroutine_interleaved_with_itself(tmp_path: Path) -> None
     result = run_job(tmp_path, """
         import asyncio, torch
         from myrl.steps import step
-        from kvguard._state import STATE
+        from kvguard._report.process import PROCESS
         rd = {"kl": [torch.zeros(2)]}
         async def main():
             await asyncio.gather(step(rd, False), step(rd, True), step(rd, False))
         asyncio.run(main())
-        print("calls", STATE.tally.calls, "writes", STATE.tally.writes)
+        print("calls", PROCESS.tally.calls, "writes", PROCESS.tally.writes)
     """, KVGUARD="record", KVGUARD_TARGETS="myrl.steps:step(rollout_data)")
     assert "calls 3 writes 3" in result.stdout
 

@@ -36,13 +36,14 @@ def test_already_imported_target_and_its_aliases_are_guarded_then_restored() -> 
         kept = [trainer_loss.compute_advantages_and_returns]  # not a module global: never rebound
         from kvguard import _config, _importhook
         from kvguard._state import STATE
+        from kvguard._report.process import PROCESS
         _importhook.install(_config.parse_targets("trainer_loss:compute_advantages_and_returns(rollout_data)"),
                             "record")
         assert trainer_loss.compute_advantages_and_returns is not kept[0]
         assert trainer_actor.compute_advantages_and_returns is trainer_loss.compute_advantages_and_returns
         assert alias is trainer_loss.compute_advantages_and_returns, "module-level aliases are rebound"
         trainer_actor.compute_advantages_and_returns(None, trainer_loss.make_rollout())
-        print("events", STATE.tally.writes, "calls", STATE.tally.calls)
+        print("events", PROCESS.tally.writes, "calls", PROCESS.tally.calls)
         STATE.uninstall()
         assert trainer_loss.compute_advantages_and_returns is kept[0]
         assert trainer_actor.compute_advantages_and_returns is kept[0] and alias is kept[0]
@@ -56,9 +57,10 @@ def test_keys_and_ignore_from_the_environment() -> None:
         import kvguard._startup; kvguard._startup.activate()
         import torch, trainer_loss
         from kvguard._state import STATE
+        from kvguard._report.process import PROCESS
         rd = trainer_loss.make_rollout()
         trainer_loss.compute_advantages_and_returns(None, rd)
-        print("events", STATE.tally.writes)
+        print("events", PROCESS.tally.writes)
     """
     target = "trainer_loss:compute_advantages_and_returns(rollout_data)"
     assert "events 2" in run_python(code, KVGUARD="record", KVGUARD_TARGETS=target).stdout
@@ -72,9 +74,10 @@ def test_startup_is_idempotent() -> None:
         import kvguard._startup as s
         s.activate(); s.activate()
         from kvguard._state import STATE
+        from kvguard._report.process import PROCESS
         import trainer_loss
         trainer_loss.compute_advantages_and_returns(None, trainer_loss.make_rollout())
-        print("calls", STATE.tally.calls)
+        print("calls", PROCESS.tally.calls)
     """, KVGUARD="record", KVGUARD_TARGETS="trainer_loss:compute_advantages_and_returns(rollout_data)")
     assert "calls 1" in result.stdout
     assert result.stderr.count("guarded call") == 1
@@ -208,9 +211,10 @@ def test_a_main_target_defined_before_late_activation_is_guarded() -> None:
             rd["kl"].add_(1)
         from kvguard import _config, _importhook
         from kvguard._state import STATE
+        from kvguard._report.process import PROCESS
         _importhook.install(_config.parse_targets("__main__:fn(rd)"), "record")
         fn({"kl": torch.zeros(2)})
-        print("writes", STATE.tally.writes)
+        print("writes", PROCESS.tally.writes)
     """)
     assert "writes 1" in result.stdout and "cannot guard" not in result.stderr
 

@@ -28,6 +28,7 @@ from kvguard.__main__ import main
 from kvguard._config import Settings, parse_targets
 from kvguard._errors import ConfigError
 from kvguard._presets import PRESETS, PresetTarget
+from kvguard._report.process import ProcessReport
 from kvguard._state import State
 from kvguard._targets import Target
 
@@ -209,37 +210,37 @@ def test_missing_reason_names_what_is_gone() -> None:
 def test_a_preset_that_guarded_functions_never_called_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvguard._report.diagnostics import diagnostics
 
-    state = State()
+    state, process = State(), ProcessReport()
     state.settings = Settings("warn", parse_targets("openrlhf,myjob:f(x)"))
     monkeypatch.setitem(sys.modules, "openrlhf", types.ModuleType("openrlhf"))
     monkeypatch.setitem(sys.modules, "myjob", types.ModuleType("myjob"))
     for target in state.settings.targets:
         monkeypatch.setitem(sys.modules, target.module, types.ModuleType(target.module))
         state.patched.append(str(target))
-        state.target_stats(str(target))
-    assert diagnostics(state, False) == [
+        process.target_stats(str(target))
+    assert diagnostics(state, process, False) == [
         "kvguard: preset openrlhf: none of its 2 guarded functions was called "
         "(RemoteExperienceMaker.compute_advantages_and_returns, BasePPOTrainer._compute_rollout_stats)",
         "kvguard: target myjob:f(x) was never called",
     ]
-    called = state.target_stats(str(state.settings.targets[0]))
+    called = process.target_stats(str(state.settings.targets[0]))
     called.calls = called.protected = 1  # one of them called: the other is for another configuration
-    assert diagnostics(state, False) == ["kvguard: target myjob:f(x) was never called"]
+    assert diagnostics(state, process, False) == ["kvguard: target myjob:f(x) was never called"]
 
 
 def test_a_moved_function_named_explicitly_satisfies_the_preset(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvguard._report.diagnostics import diagnostics
 
-    state = State()
+    state, process = State(), ProcessReport()
     state.settings = Settings("warn", parse_targets("slime,slime.backends.megatron_utils.data:log_rollout_data(rollout_data)"))
     assert [type(t).__name__ for t in state.settings.targets] == ["PresetTarget", "PresetTarget", "Target"]
     monkeypatch.setitem(sys.modules, "slime", types.ModuleType("slime"))  # v0.3.1: no slime.observability
     for target in (state.settings.targets[0], state.settings.targets[2]):
         monkeypatch.setitem(sys.modules, target.module, types.ModuleType(target.module))
         state.patched.append(str(target))
-        stats = state.target_stats(str(target))
+        stats = process.target_stats(str(target))
         stats.calls = stats.protected = 1
-    assert diagnostics(state, False) == []
+    assert diagnostics(state, process, False) == []
 
 
 # ── end to end: activated by KVGUARD* alone, against the replicas ──────────────────────────

@@ -23,11 +23,12 @@ import torch
 
 import kvguard
 from kvguard import _config, _ranks
-from kvguard._allow import Allowlist, parse_patterns
+from kvguard._allow import Allowlist
+from kvguard._paths import parse_patterns
 from kvguard._errors import ConfigError
 from kvguard._report.events import MutationEvent
 from kvguard._report.files import SCHEMA
-from kvguard._report.tally import pattern
+from kvguard._paths import collapse as pattern
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "examples" / "long_job"

@@ -175,7 +175,7 @@ def test_guarded_takes_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_guarded_follows_kvguard_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvguard._state import STATE
+    from kvguard._report.process import PROCESS
 
     monkeypatch.setenv("KVGUARD_CALLS", "every:2")
 
@@ -187,7 +187,7 @@ def test_guarded_follows_kvguard_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     for _ in range(4):
         shape(rollout())
         seen.append(len(shape.last_report.events) if shape.last_report else 0)  # type: ignore[attr-defined]
-    stats = STATE.tally.targets["calls_rd"]
+    stats = PROCESS.tally.targets["calls_rd"]
     assert (stats.calls, stats.unguarded_calls) == (2, 2)
 
 

@@ -25,8 +25,9 @@ from kvguard import _config, _ranks
 from kvguard._config import DEFAULT_MAX_EVENTS
 from kvguard._report.diagnostics import diagnostics
 from kvguard._errors import ConfigError
-from kvguard._report.render import say
+from kvguard._text import say
 from kvguard._state import STATE
+from kvguard._report.process import PROCESS
 from kvguard._report.tally import Tally
 
 SCHEMA = 1  # raised when a field changes meaning or goes away; new fields keep it
@@ -58,7 +59,7 @@ class ReportWriter:
         Returns whether the writer works; one that failed is dropped with one line.
         """
         if self._file is not None:
-            return self in STATE.listeners
+            return self in PROCESS.listeners
         info = _ranks.rank_info()
         self._file = os.path.join(self.directory, f"{FILE_PREFIX}{info.get('rank') or 0}.jsonl")
         settings = STATE.settings
@@ -67,7 +68,7 @@ class ReportWriter:
                           "python": platform.python_version(), "max_events": self.limit,
                           "settings": settings.as_record() if settings is not None and settings.active else None})
         except OSError as exc:
-            STATE.drop(self, exc)
+            PROCESS.drop(self, exc)
             return False
         return True
 
@@ -106,14 +107,14 @@ def output() -> tuple[Optional[str], Optional[int]]:
     cap is one line, then the default.
     """
     raw = (_config.read("KVGUARD_REPORT_DIR") or None, _config.read("KVGUARD_MAX_EVENTS"))
-    if raw != STATE.output[0]:
+    if raw != PROCESS.output[0]:
         try:
             cap = _config.parse_max_events(raw[1])
         except ConfigError as exc:
             say(f"kvguard: {exc}; using {DEFAULT_MAX_EVENTS}")
             cap = None
-        STATE.output = (raw, (raw[0], cap))
-    return STATE.output[1]
+        PROCESS.output = (raw, (raw[0], cap))
+    return PROCESS.output[1]
 
 
 def open_writer(report_dir: Optional[str | os.PathLike[str]] = None, start: bool = True) -> Optional[ReportWriter]:
@@ -138,7 +139,7 @@ def open_writer(report_dir: Optional[str | os.PathLike[str]] = None, start: bool
 def target_tallies(label: str) -> list[Any]:
     """The counts (`TargetStats`) of target or guard `label` for the process and its report directory."""
     writer = open_writer(start=False)
-    return [STATE.target_stats(label)] + ([writer.tally.target(label)] if writer is not None else [])
+    return [PROCESS.target_stats(label)] + ([writer.tally.target(label)] if writer is not None else [])
 
 
 def writer_for(directory: str, source: str, cap: Optional[int] = None) -> Optional[ReportWriter]:
@@ -149,8 +150,8 @@ def writer_for(directory: str, source: str, cap: Optional[int] = None) -> Option
     """
     global _finish_registered
     key = os.path.abspath(directory)
-    if key in STATE.writers:
-        return STATE.writers[key]  # type: ignore[no-any-return]
+    if key in PROCESS.writers:
+        return PROCESS.writers[key]  # type: ignore[no-any-return]
     problem = unusable(key)
     writer = None
     if problem is not None:
@@ -160,8 +161,8 @@ def writer_for(directory: str, source: str, cap: Optional[int] = None) -> Option
             atexit.register(finish_all)
             _finish_registered = True
         writer = ReportWriter(key, DEFAULT_MAX_EVENTS if cap is None else cap)
-        STATE.listeners.append(writer)
-    STATE.writers[key] = writer
+        PROCESS.listeners.append(writer)
+    PROCESS.writers[key] = writer
     return writer
 
 
@@ -170,17 +171,17 @@ def finish_all() -> None:
     try:
         problems: list[str] = []
         if STATE.settings is not None and STATE.settings.targets:
-            in_files = any(isinstance(x, ReportWriter) for x in STATE.listeners)
-            problems = [line.removeprefix("kvguard: ") for line in diagnostics(STATE, in_files)]
-        for writer in STATE.writers.values():
+            in_files = any(isinstance(x, ReportWriter) for x in PROCESS.listeners)
+            problems = [line.removeprefix("kvguard: ") for line in diagnostics(STATE, PROCESS, in_files)]
+        for writer in PROCESS.writers.values():
             # A writer whose targets were never called starts now: its file proves the run.
-            if writer is not None and writer in STATE.listeners and (writer.started or writer.tally.targets):
+            if writer is not None and writer in PROCESS.listeners and (writer.started or writer.tally.targets):
                 try:
                     if not writer.started and not writer.begin():
                         continue
                     writer.finish(problems)
                 except OSError as exc:
-                    STATE.drop(writer, exc)
+                    PROCESS.drop(writer, exc)
     except Exception as exc:  # noqa: BLE001 - at exit, after the job: one line, never a traceback
         say(f"kvguard: could not finish the report files ({exc})")
 

@@ -15,7 +15,8 @@ import os
 from typing import Any, Iterator, Optional
 
 from kvguard._report.files import FILE_PREFIX, SCHEMA
-from kvguard._report.tally import pattern, short_site
+from kvguard._paths import collapse
+from kvguard._report.tally import short_site
 from kvguard._text import plural
 
 Record = dict[str, Any]
@@ -257,7 +258,7 @@ def _sites_of(events: list[Record]) -> list[dict[str, Any]]:
                                      "path", "call", "placed_at", "tensor", "before", "after", "diff")}}
         site["writes"] += 1
         site["blocked"] += bool(ev.get("blocked"))
-        path = pattern(ev["path"])
+        path = collapse(ev["path"])
         site["paths"][path] = site["paths"].get(path, 0) + 1
         calls.setdefault(key, set()).add(ev.get("call"))
     for key, site in sites.items():

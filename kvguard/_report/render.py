@@ -121,7 +121,7 @@ def _site_table(rows: list[dict[str, Any]], width: Any) -> str:
         first = row["first"]
         where = f"call {first.get('call')}" + (f", rank {first['rank']}" if len(row["ranks"]) > 1 else "")
         table.add_row(Text(f"{row['site']} {row['op']}\n{row.get('code') or ''}"), Text(", ".join(row["paths"])),
-                      f"{row['writes']:,}\nin {row['calls']:,} call{'s' if row['calls'] != 1 else ''}\n{action}",
+                      f"{row['writes']:,}\nin {plural(row['calls'], 'call')}\n{action}",
                       *([_ranges(row["ranks"])] if ranked else []),
                       Text(_clip_value(f"{first.get('path')}\n{where}: {(first.get('diff') or '').split(';')[0]}")))
     return _table_text(table, width)
@@ -198,14 +198,3 @@ def _is_default_display(shown: Any) -> bool:
     return (original is not None and warnings.showwarning is original and callable(shown)
             and getattr(shown, "__name__", "") == "_showwarnmsg_impl"
             and getattr(shown, "__module__", "") in ("warnings", "_py_warnings"))
-
-
-def say(line: str) -> None:
-    """Write one `kvguard: ...` line to stderr, best effort: a closed or missing stderr is no error."""
-    try:
-        out = sys.stderr
-        if out is not None:
-            out.write(line.rstrip("\n") + "\n")
-            out.flush()
-    except Exception:  # noqa: BLE001 - a diagnostic must never become the failure
-        pass

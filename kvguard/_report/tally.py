@@ -8,11 +8,10 @@ as its number of sites however long the job runs.
 
 from __future__ import annotations
 
-import functools
 import os
-import re
 from typing import TYPE_CHECKING, Any, Optional
 
+from kvguard._paths import collapse
 from kvguard._text import plural
 
 if TYPE_CHECKING:
@@ -20,30 +19,6 @@ if TYPE_CHECKING:
 
 SiteKey = tuple[str, int, str]  # (filename, lineno, op)
 MAX_SITE_LINES = 20  # exit lines; report files keep every site
-_INDEX = re.compile(r"\[-?\d+\]")
-
-
-@functools.lru_cache(maxsize=4096)
-def pattern(path: str) -> str:
-    """`path` with list indices collapsed: `rollout_data['kl'][3]` -> `rollout_data['kl'][*]`.
-
-    Indices inside quoted keys (`d['a[0]']`) stay as they are.
-    """
-    out, i, quote = [], 0, ""
-    while i < len(path):
-        char = path[i]
-        match = _INDEX.match(path, i) if char == "[" and not quote else None
-        if match is not None:
-            out.append("[*]")
-            i = match.end()
-            continue
-        if quote:
-            quote = "" if char == quote else quote
-        elif char in "'\"":
-            quote = char
-        out.append(char)
-        i += 1
-    return "".join(out)
 
 
 class TargetStats:
@@ -89,7 +64,7 @@ class SiteStats:
     def add(self, event: MutationEvent, call: int) -> None:
         self.writes += 1
         self.blocked += event.blocked
-        key = pattern(event.path)
+        key = collapse(event.path)
         self.paths[key] = self.paths.get(key, 0) + 1
         if call != self.last_call:  # calls run one after another; nested guards may count twice
             self.calls += 1

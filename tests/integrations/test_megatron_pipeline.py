@@ -24,7 +24,7 @@ import torch
 import kvguard
 import kvguard_megatron
 from kvguard import _ranks
-from kvguard._state import STATE
+from kvguard._report.process import PROCESS
 from kvguard._report.tally import Tally
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,19 +95,19 @@ def test_the_check_is_registered_with_kvguard_on_import() -> None:
 # --- guards: when a call counts as not run ------------------------------------------------
 
 def _target_stats(label: str) -> Any:
-    return STATE.tally.targets[label]
+    return PROCESS.tally.targets[label]
 
 
 def test_a_guarded_call_that_did_nothing_on_stage_0_is_not_run_not_clean(stage: Any) -> None:
     stage(0, 2)
     rd = rollout()
-    calls = STATE.tally.calls
+    calls = PROCESS.tally.calls
     with kvguard.guard(rd, name="rd_stage0", action="record") as g:
         pass  # `if not mpu.is_pipeline_last_stage(): return`
     assert g.not_run == STAGE0
     stats = _target_stats("rd_stage0")
     assert (stats.calls, stats.not_run, stats.protected) == (0, {STAGE0: 1}, 0)
-    assert STATE.tally.calls == calls, "not counted as a guarded call"
+    assert PROCESS.tally.calls == calls, "not counted as a guarded call"
 
 
 @pytest.mark.parametrize("body", ["read", "write", "raise"])

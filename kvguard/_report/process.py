@@ -1,0 +1,58 @@
+"""What this process's guards reported, in one object: the exit summary's tally, report writers, listeners."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from kvguard._report.tally import SiteKey, Tally, TargetStats
+from kvguard._text import say
+
+Listener = Callable[[Any, Any], None]  # (MutationEvent, Guard)
+
+
+class ProcessReport:
+    """Every guard's counts for the exit summary, the sites already shown, and where events go."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.tally = Tally()  # every guard of the process, for the exit summary
+        self.shown: set[SiteKey] = set()  # sites whose first write was printed
+        self.writers: dict[str, Any] = {}  # report directory -> its ReportWriter, None when unusable
+        self.listeners: list[Listener] = []
+        # The last reading of the report settings, by `files.output`: (raw values, parsed).
+        self.output: tuple[tuple[Optional[str], Optional[str]], tuple[Optional[str], Optional[int]]] = (
+            (None, None), (None, None))
+
+    def target_stats(self, target: str) -> TargetStats:
+        return self.tally.target(target)
+
+    def first_sighting(self, event: Any) -> bool:
+        """Whether this is the first write at its site to be shown (a panel, a warning)."""
+        key = (event.filename, event.lineno, event.op)
+        if key in self.shown:
+            return False
+        self.shown.add(key)
+        return True
+
+    def publish(self, event: Any, guard: Any) -> None:
+        """Tell every listener (report files) about an event.
+
+        A listener that fails is dropped with one line on stderr: writing a report must
+        never replace the user's error or stop the op.
+        """
+        for listener in list(self.listeners):
+            try:
+                listener(event, guard)
+            except Exception as exc:  # noqa: BLE001
+                self.drop(listener, exc)
+
+    def drop(self, listener: Any, exc: Exception) -> None:
+        """Stop sending events to a listener that failed, saying so in one line."""
+        if listener in self.listeners:
+            self.listeners.remove(listener)
+        say(f"kvguard: {listener} failed ({exc}); it gets no further events")
+
+
+PROCESS = ProcessReport()
