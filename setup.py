@@ -1,5 +1,5 @@
 """Ships `kvguard.pth` and `kvguard.start` at the root of the wheel (site-packages), and
-builds the optional `kvguard._speedups` extension."""
+builds the optional `kvguard._native.speedups` extension."""
 
 import importlib.util
 import os
@@ -65,7 +65,7 @@ if editable_wheel is not None and hasattr(editable_wheel, "_select_strategy"):
 setup(
     cmdclass=cmdclass,
     # Optional: without a compiler the package installs and uses the same check in Python.
-    ext_modules=[Extension("kvguard._speedups", ["kvguard/_speedups.c"], optional=True),
-                 Extension("kvguard._digest_c", ["kvguard/_digest_c.c"], optional=True,
+    ext_modules=[Extension("kvguard._native.speedups", ["kvguard/_native/csrc/speedups.c"], optional=True),
+                 Extension("kvguard._native.digest", ["kvguard/_native/csrc/digest.c"], optional=True,
                            extra_compile_args=["-O3"])],
 )

@@ -171,7 +171,7 @@ def _report(opts: Any) -> int:
 
 def _build_command(opts: Any) -> int:
     """Build or find the compiled write hook and check that it loads; 0: it is there, 1: why not (one line)."""
-    from kvguard import _build
+    from kvguard._native import build as _build
 
     ok, where = _build_result(rebuild=opts.rebuild or _build.rebuild_requested(),
                               verbose=opts.verbose)
@@ -190,7 +190,7 @@ def _build_command(opts: Any) -> int:
 
 def _build_result(*, rebuild: bool, verbose: bool) -> tuple[bool, str]:
     """(True, the `.so`) or (False, why not): a fresh build with `rebuild`, else the cached one if any."""
-    from kvguard import _build
+    from kvguard._native import build as _build
 
     ok, where = _build.build(verbose=verbose, force=rebuild)
     return ok, where.replace("(KVGUARD_REBUILD=1 retries)", "(--rebuild retries)")
@@ -206,7 +206,7 @@ def _engines_command() -> int:
     except ImportError as exc:  # no torch: no engine at all
         print(f"kvguard: no engine can run here: {exc}", file=sys.stderr)
         return 1
-    from kvguard import _build
+    from kvguard._native import build as _build
 
     width = max(map(len, _engines.ENGINES))
     for name in _engines.ENGINES:

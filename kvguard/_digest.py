@@ -21,7 +21,7 @@ from kvguard import _torch
 
 _digest_c: Optional[Callable[[list[tuple[Any, ...]]], list[Optional[int]]]]
 try:
-    from kvguard._digest_c import digest as _digest_c
+    from kvguard._native.digest import digest as _digest_c
 except ImportError:  # pragma: no cover - exercised by forcing the fallback in tests
     _digest_c = None
 

@@ -1,6 +1,6 @@
 """Which engine finds a guard's writes: `compiled`, `kernels` or `mode`.
 
-- `compiled`: the write hook in C++ (`_write_hook`, built for the installed torch on
+- `compiled`: the write hook in C++ (`write_hook`, built for the installed torch on
   first use, see `_build`): about unguarded speed.
 - `kernels`: the same hook as Python kernels (`_kernels`): no compiler needed, every
   writing op becomes a Python call.
@@ -118,7 +118,7 @@ def _backend(name: str) -> Any:
         from kvguard import _kernels
 
         return _kernels
-    from kvguard import _build
+    from kvguard._native import build as _build
 
     module = _build.load()
     return module if module is not None else _build.reason()

@@ -1,6 +1,6 @@
 """The `kernels` backend: the write hook as Python kernels on ADInplaceOrView.
 
-The Python twin of the compiled `_write_hook` (same functions, same behaviour), for
+The Python twin of the compiled `write_hook` (same functions, same behaviour), for
 when no compiler is at hand: every writing op becomes a Python call (about 1.4x on a
 per-token GAE, 2x with 20 % in-place ops), reads stay free. Installing it takes a few
 hundred milliseconds; it is installed once per process and then switched on and off.
@@ -20,7 +20,7 @@ from kvguard._hooks import outside_dynamo, overload_of
 
 _KEY = "ADInplaceOrView"
 _BELOW = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.ADInplaceOrView)
-# The key the compiled hook's inference-mode kernels use (`_write_hook.cpp`, kInferenceKey):
+# The key the compiled hook's inference-mode kernels use (`csrc/write_hook.cpp`, kInferenceKey):
 # torch's Python enum does not name it; it sits just above FuncTorchGradWrapper.
 _INFERENCE_KEY_NAME = "DeferredInit"
 _INFERENCE_KEY = torch._C.DispatchKey(torch._C.DispatchKey.FuncTorchGradWrapper.value + 1)
@@ -93,7 +93,7 @@ def hook_new() -> int:
 
 
 def watch_inference(on: bool) -> bool:
-    """As `_write_hook.watch_inference`: this thread's writes inside inference mode are
+    """As `write_hook.watch_inference`: this thread's writes inside inference mode are
     judged while one of its guards protects an inference tensor. Whether that can be done."""
     if not _install_inference():
         return False

@@ -1,7 +1,7 @@
 """What the protected set records of each tensor: its memory, a layout token, a digest.
 
 Taken for a whole batch when a guard starts protecting tensors, and again at its
-boundaries to compare. With the compiled extension loaded (`_write_hook.describe`), a
+boundaries to compare. With the compiled extension loaded (`write_hook.describe`), a
 plain strided tensor costs a few metadata reads in C++ and its digest one pass over its
 bytes, for the whole batch in one call; subclasses, sparse, nested and meta tensors, and
 every tensor without the extension, are read in Python through torch's API. Both give
@@ -33,7 +33,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def compiled_describe() -> Optional[ModuleType]:
     """The compiled extension, if this process has loaded it (never builds it)."""
-    from kvguard._build import MODULE_NAME
+    from kvguard._native.build import MODULE_NAME
 
     module = sys.modules.get(MODULE_NAME)
     return module if module is not None and hasattr(module, "describe") else None

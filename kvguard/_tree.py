@@ -436,7 +436,7 @@ def _contains(collection: Collection[Any], key: Any) -> bool:
 _same_values_c: Optional[Callable[[tuple[Any, ...], tuple[Any, ...]], bool]]
 _list_leaves_c: Optional[Callable[..., Optional[list[Any]]]]
 try:  # the same check, and the leaves of a list of tensors, in C, when the optional extension built
-    from kvguard import _speedups
+    from kvguard._native import speedups as _speedups
 
     _same_values_c, _list_leaves_c = _speedups.same_values, _speedups.list_leaves
 except (ImportError, AttributeError):  # pragma: no cover - no compiler at install (or a stale build)

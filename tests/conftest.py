@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from kvguard import _build
+from kvguard._native import build as _build
 
 # Every subprocess a test starts uses the compiled engine this session built: pytester points
 # HOME at a fresh directory, where the default cache holds none (a 15 s build per subprocess).

@@ -9,6 +9,7 @@ import _x` is an arrow to the module `kvguard._x`, not to the package.
 from __future__ import annotations
 
 import ast
+import configparser
 import pathlib
 from typing import Iterator
 
@@ -17,8 +18,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "kvguard"
 # Rooms in the order arrows may point: a module may import its own room and any room
 # after its own, never one before. The package itself (`kvguard`, its public names) and
 # `kvguard.__main__` sit above them all; the top-level leaves below them all.
-ROOMS = ("_activate", "_guard", "_engine", "_protect", "_report")
-LEAVES = ("_errors", "_text", "_paths", "_config", "_ranks", "_state", "_targets", "_presets")  # import no room
+ROOMS = ("_activate", "_guard", "_engine", "_protect", "_native", "_report")
+LEAVES = ("_errors", "_text", "_paths", "_config", "_ranks", "_state", "_targets", "_presets", "_torch")  # import no room
 # Arrows up the rooms, each for a reason, each an import under `if TYPE_CHECKING:` only.
 TYPED_UP = {
     ("kvguard._errors", "kvguard._report.events"): "MutationError carries its event and report, typed",
@@ -182,6 +183,15 @@ def test_the_rooms_are_read() -> None:
     assert room("kvguard") == room("kvguard.__main__") == 0
     assert room("kvguard._report.events") == 1 + ROOMS.index("_report")
     assert room("kvguard._errors") == room("kvguard._text") == 1 + len(ROOMS)
+
+
+def test_every_subpackage_is_shipped() -> None:
+    """A room missing from setup.cfg's `packages` is left out of wheels (editable installs still see it)."""
+    config = configparser.ConfigParser()
+    config.read(PACKAGE.parent / "setup.cfg")
+    shipped = {name.strip() for name in config["options"]["packages"].replace("\n", ",").split(",") if name.strip()}
+    subpackages = {".".join(init.parent.relative_to(PACKAGE.parent).parts) for init in PACKAGE.rglob("__init__.py")}
+    assert subpackages <= shipped, f"not in setup.cfg's packages: {sorted(subpackages - shipped)}"
 
 
 def test_circles_are_found() -> None:

@@ -241,7 +241,7 @@ NOT_AVAILABLE = "kvguard: the compiled write hook is not available: "
 @pytest.fixture
 def compiled_cache() -> Path:
     """The cache directory holding this process's compiled write hook (built now if need be)."""
-    from kvguard import _build
+    from kvguard._native import build as _build
 
     if _build.load() is None:
         if os.environ.get("CI"):
@@ -267,7 +267,7 @@ def fake_compiler(tmp_path: Path, script: str) -> str:
 def test_build_finds_the_cached_hook(plain_python: Path, tmp_path: Path, compiled_cache: Path) -> None:
     import torch
 
-    from kvguard import _build
+    from kvguard._native import build as _build
 
     result = run(plain_python, "-m", "kvguard", "build", cwd=tmp_path, env={"KVGUARD_CACHE_DIR": str(compiled_cache)})
     assert (result.returncode, result.stderr) == (0, ""), result.stderr
@@ -443,7 +443,7 @@ def test_the_readme_and_the_build_line_give_one_build_time() -> None:
     """What the first guard prints while it builds and what the README says are the same figures."""
     import inspect
 
-    from kvguard import _build
+    from kvguard._native import build as _build
 
     printed = re.search(r"compiling takes about (\d+) s, (\d+) s of CPU", inspect.getsource(_build._compile))
     assert printed is not None

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 import kvguard
-from kvguard import _build, _engines
+from kvguard import _engines
+from kvguard._native import build as _build
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = str(Path(__file__).resolve())

@@ -339,7 +339,7 @@ def test_dtensor_on_two_gloo_processes(tmp_path: Any) -> None:
 
 @pytest.mark.skipif(not os.environ.get("KVGUARD_REQUIRE_SPEEDUPS"), reason="only where a compiler is known")
 def test_the_c_digest_built() -> None:
-    assert _digest._digest_c is not None, "kvguard._digest_c did not build or import"
+    assert _digest._digest_c is not None, "kvguard._native.digest did not build or import"
 
 
 def test_the_c_digest_refuses_bad_specs() -> None:

@@ -1,6 +1,6 @@
 """What the protected set records of a tensor: the compiled reading agrees with Python's.
 
-`_write_hook.describe` reads a batch of plain tensors in C++; everything else, and every
+`write_hook.describe` reads a batch of plain tensors in C++; everything else, and every
 tensor where the extension is missing, is read in Python. Both must give the same spans,
 density and digest, and a layout token that changes exactly when the tensor is
 re-pointed or reshaped.
@@ -14,7 +14,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from kvguard import _build, _digest, _records, _torch
+from kvguard import _digest, _records, _torch
+from kvguard._native import build as _build
 
 COMPILED = _build.load()
 pytestmark = pytest.mark.skipif(COMPILED is None, reason=f"no compiled extension here: {_build.reason()}")

@@ -76,7 +76,7 @@ def test_changed_sees_every_store(changed: Callable[[Any], bool], mutate: Callab
 
 @pytest.mark.skipif(not os.environ.get("KVGUARD_REQUIRE_SPEEDUPS"), reason="only where a compiler is known")
 def test_the_c_helper_built() -> None:
-    assert _tree._same_values_c is not None, "kvguard._speedups did not build or import"
+    assert _tree._same_values_c is not None, "kvguard._native.speedups did not build or import"
 
 
 def test_the_c_helper_refuses_other_containers() -> None:

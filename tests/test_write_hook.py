@@ -1,4 +1,4 @@
-"""The compiled write hook (`kvguard._write_hook`), raw, through `kvguard._build.load()`.
+"""The compiled write hook (`kvguard._native.write_hook`), raw, through `kvguard._native.build.load()`.
 
 Without a compiler the module is skipped, except under CI (env `CI` set), where a hook that
 does not build is a failure. The hook is installed once per session; each test leaves it
@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 import pytest
 import torch
 
-from kvguard import _build
+from kvguard._native import build as _build
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,11 +53,11 @@ def only_this_hook() -> Iterator[None]:
     install_only = getattr(_engines, "install_only", None)
     if install_only is not None:
         install_only(None)
-    module = sys.modules.get("kvguard._write_hook")
+    module = sys.modules.get("kvguard._native.write_hook")
     if module is not None:
         module.uninstall()
     yield
-    module = sys.modules.get("kvguard._write_hook")
+    module = sys.modules.get("kvguard._native.write_hook")
     if module is not None:
         _reset(module)
         module.uninstall()
@@ -491,7 +491,7 @@ def test_watch_exception_stops_the_write(h: ModuleType) -> None:
 
 
 def test_watch_with_snapshots_runs_only_when_a_container_changed(h: ModuleType) -> None:
-    from kvguard import _speedups  # the check the hook borrows
+    from kvguard._native import speedups as _speedups  # the check the hook borrows
 
     count = [0]
 
@@ -799,7 +799,7 @@ def _child_env(**extra: str) -> dict[str, str]:
 
 def test_build_without_a_compiler_returns_none_with_a_reason(tmp_path: Path) -> None:
     code = textwrap.dedent("""
-        from kvguard import _build
+        from kvguard._native import build as _build
         m = _build.load()
         print(m is None)
         print(_build.reason())
@@ -820,7 +820,7 @@ def test_two_processes_building_together_build_once_and_both_load(
         write_hook_module: ModuleType, tmp_path: Path) -> None:
     code = textwrap.dedent("""
         import torch
-        from kvguard import _build
+        from kvguard._native import build as _build
         m = _build.load()
         print(_build.reason() if m is None else m.install() > 1000)
     """)
@@ -840,13 +840,13 @@ def test_two_processes_building_together_build_once_and_both_load(
     assert [p.returncode for p in procs] == [0, 0], results
     assert [out.strip() for out, _ in results] == ["True", "True"], results
     assert sum(err.count("kvguard: building the compiled write hook") for _, err in results) == 1
-    assert len(list((tmp_path / "cache").rglob("_write_hook*.so"))) == 1
+    assert len(list((tmp_path / "cache").rglob("write_hook*.so"))) == 1
     assert not list(tmp_path.rglob("*.tmp*")) and not list(tmp_path.rglob("failed"))
 
 
 def test_a_failed_build_is_remembered(write_hook_module: ModuleType, tmp_path: Path) -> None:
     code = textwrap.dedent("""
-        from kvguard import _build
+        from kvguard._native import build as _build
         print(_build.load() is None)
         print(_build.reason())
     """)

@@ -1,4 +1,4 @@
-/* kvguard._speedups: the placement check, and the walk's leaves for a list of tensors, in C.
+/* kvguard._native.speedups: the placement check, and the walk's leaves for a list of tensors, in C.
  *
  * same_values(containers, held) -> bool
  *   True when the lists and dicts in `containers` (a tuple), walked in order, hold
@@ -8,7 +8,7 @@
  * list_leaves(lst, path, chain, tensor_type, leaf_type) -> list | None
  *   The walk's leaves for a list of tensors, built in C (see below).
  *
- * The capsule `kvguard._speedups._api` gives the same check to kvguard._write_hook, which
+ * The capsule `kvguard._native.speedups._api` gives the same check to kvguard._native.write_hook, which
  * runs it before every writing op without entering Python code.
  *
  * Optional: kvguard/_tree.py falls back to the same check in Python when this module
@@ -147,15 +147,15 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvguard._speedups", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvguard._native.speedups", NULL, -1, methods};
 
 PyMODINIT_FUNC
-PyInit__speedups(void)
+PyInit_speedups(void)
 {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    PyObject *capsule = PyCapsule_New(&api, "kvguard._speedups._api", NULL);
+    PyObject *capsule = PyCapsule_New(&api, "kvguard._native.speedups._api", NULL);
     if (capsule == NULL || PyModule_AddObject(m, "_api", capsule) < 0) {
         Py_XDECREF(capsule);
         Py_DECREF(m);

@@ -1,4 +1,4 @@
-/* kvguard._digest_c: value fingerprints of CPU tensors in one pass over raw memory.
+/* kvguard._native.digest: value fingerprints of CPU tensors in one pass over raw memory.
  *
  * digest(specs) -> list[int | None]
  *   `specs` is a list of (storage_ptr, storage_nbytes, storage_offset, itemsize, sizes,
@@ -230,7 +230,7 @@ fail:
     return NULL;
 }
 
-/* For kvguard._write_hook's describe(): the same digest of one strided tensor, so a digest
+/* For kvguard._native.write_hook's describe(): the same digest of one strided tensor, so a digest
  * taken there and one taken here always agree. `data` points at the first element; the
  * caller has checked that every element lies inside readable memory. */
 static uint64_t digest_strided(const unsigned char *data, Py_ssize_t itemsize, int ndim, const Py_ssize_t *sizes,
@@ -245,7 +245,7 @@ static uint64_t digest_strided(const unsigned char *data, Py_ssize_t itemsize, i
     return digest_one(&s);
 }
 
-/* The capsule `kvguard._digest_c._api` holds this: a version, the dims limit and the function. */
+/* The capsule `kvguard._native.digest._api` holds this: a version, the dims limit and the function. */
 typedef struct {
     int version;
     int max_dims;
@@ -260,15 +260,15 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvguard._digest_c", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvguard._native.digest", NULL, -1, methods};
 
 PyMODINIT_FUNC
-PyInit__digest_c(void)
+PyInit_digest(void)
 {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    PyObject *capsule = PyCapsule_New(&api, "kvguard._digest_c._api", NULL);
+    PyObject *capsule = PyCapsule_New(&api, "kvguard._native.digest._api", NULL);
     if (capsule == NULL || PyModule_AddObject(m, "_api", capsule) < 0) {
         Py_XDECREF(capsule);
         Py_DECREF(m);

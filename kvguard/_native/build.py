@@ -1,7 +1,7 @@
-"""Builds and loads the compiled write hook (`kvguard._write_hook`) for the installed torch.
+"""Builds and loads the compiled write hook (`kvguard._native.write_hook`) for the installed torch.
 
 The extension uses torch's unstable C++ API, so a binary fits one torch build, one CPython
-and one platform: it is compiled on first use, from `_write_hook.cpp` shipped with the
+and one platform: it is compiled on first use, from `csrc/write_hook.cpp` shipped with the
 package, into a cache directory keyed on all of them, and reused by every later process.
 
 Cache: `$KVGUARD_CACHE_DIR`, else `$XDG_CACHE_HOME/kvguard`, else `~/.cache/kvguard`; one
@@ -33,8 +33,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Optional
 
-MODULE_NAME = "kvguard._write_hook"
-SOURCE = Path(__file__).with_name("_write_hook.cpp")
+MODULE_NAME = "kvguard._native.write_hook"
+SOURCE = Path(__file__).parent / "csrc" / "write_hook.cpp"
 # Bump when the compile command below changes, so caches built the old way are not reused.
 _RECIPE = "1"
 _COMPILE_TIMEOUT_S = 900.0
@@ -81,7 +81,7 @@ def build_dir() -> Path:
 
 
 def _so_name() -> str:
-    return "_write_hook" + importlib.machinery.EXTENSION_SUFFIXES[0]
+    return "write_hook" + importlib.machinery.EXTENSION_SUFFIXES[0]
 
 
 def _find_compiler() -> tuple[Optional[list[str]], str]:
@@ -124,7 +124,7 @@ def _compile_command(compiler: list[str], output: Path) -> list[str]:
     return [
         *compiler, "-O2", "-std=c++17", "-fPIC", "-shared",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        "-DTORCH_EXTENSION_NAME=_write_hook",
+        "-DTORCH_EXTENSION_NAME=write_hook",
         *(f"-I{p}" for p in includes),
         str(SOURCE), "-o", str(output),
         f"-L{lib_dir}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python",
@@ -161,7 +161,7 @@ def _compile(directory: Path, compiler: list[str], *, verbose: bool) -> tuple[bo
     print(f"kvguard: building the compiled write hook for torch {torch.__version__} "
           f"(once per torch version; compiling takes about 20 s, 15 s of CPU) into {directory}",
           file=sys.stderr, flush=True)
-    fd, tmp_name = tempfile.mkstemp(dir=directory, prefix="_write_hook.", suffix=".tmp.so")
+    fd, tmp_name = tempfile.mkstemp(dir=directory, prefix="write_hook.", suffix=".tmp.so")
     os.close(fd)
     tmp = Path(tmp_name)
     command = _compile_command(compiler, tmp)
@@ -245,7 +245,7 @@ def _import(so_path: str) -> ModuleType:
 
 
 def load() -> Optional[ModuleType]:
-    """The `kvguard._write_hook` module, built first if needed; None if it cannot be had.
+    """The `kvguard._native.write_hook` module, built first if needed; None if it cannot be had.
 
     Never raises. The result (module or None) is cached in the process; `reason()` says why
     it is None.

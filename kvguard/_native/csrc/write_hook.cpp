@@ -1,4 +1,4 @@
-// kvguard._write_hook: a process-wide hook on every writing op, at C++ speed.
+// kvguard._native.write_hook: a process-wide hook on every writing op, at C++ speed.
 //
 // One boxed kernel is stacked on the ADInplaceOrView dispatch key of every operator overload
 // whose schema writes an argument (`Tensor(a!)`, `Tensor(a!)?`, `Tensor(a!)[]`), in every
@@ -22,7 +22,7 @@
 //     order, with any overlap), or instead of them
 //   set_watch(callable | None, snapshots=None): called with no arguments before each judged
 //     write; with `snapshots`, a list of (containers, held) tuple pairs, only when one of
-//     them changed (kvguard._speedups's identity check, run here without Python code)
+//     them changed (kvguard._native.speedups's identity check, run here without Python code)
 //   describe(tensors, plain_types, digest) -> list: what a protected entry records of each
 //     tensor, in one pass (see py_describe)
 //   set_callback(callable | None): callback(op_name, written_tensors) on a possible hit,
@@ -31,7 +31,7 @@
 //     callback or after comes out of the op as itself; from watch or callback, before the
 //     write.
 //
-// Caveats (see also the notes in kvguard/_build.py):
+// Caveats (see also the notes in kvguard/_native/build.py):
 //  - Ops registered after install() are hooked by hook_new() (kvguard calls it at a guard's
 //    entry; a dispatcher listener counts registrations, so it is free while there are none).
 //  - install() and uninstall() must be called from one thread while no other thread runs
@@ -45,9 +45,9 @@
 //    a second kernel per op on a spare key (kInferenceKey) judges them, on the threads that
 //    include that key while they guard an inference tensor (watch_inference).
 //  - The binary uses torch's unstable C++ API: it must be built for this torch version,
-//    this CPython version and this platform (kvguard/_build.py keys its cache on all three).
+//    this CPython version and this platform (kvguard/_native/build.py keys its cache on all three).
 //
-// Build: see kvguard/_build.py (one translation unit, the compiler called directly).
+// Build: see kvguard/_native/build.py (one translation unit, the compiler called directly).
 
 #include <Python.h>
 
@@ -227,7 +227,7 @@ const Api* borrowed_api(const char* capsule) {
   return api;
 }
 
-const SpeedupsApi* speedups_api() { return borrowed_api<SpeedupsApi>("kvguard._speedups._api"); }
+const SpeedupsApi* speedups_api() { return borrowed_api<SpeedupsApi>("kvguard._native.speedups._api"); }
 
 // Whether the watch must run: some watched container changed since its snapshot (or there
 // is no snapshot to compare, or no C check to compare it with). Needs the GIL.
@@ -349,7 +349,7 @@ struct HookKernel final : public c10::OperatorKernel {
           return;
         }
         TORCH_CHECK(false, "kvguard write hook: the ADInplaceOrView kernel that was under "
-                    "kvguard's for ", name, " was removed after kvguard._write_hook.install(); "
+                    "kvguard's for ", name, " was removed after kvguard._native.write_hook.install(); "
                     "remove hooks on this key in the reverse order of installing them, or call "
                     "uninstall() and install() again");
       }
@@ -1130,7 +1130,7 @@ PyObject* py_writes(PyObject*, PyObject*) {
 // compares at the boundaries: which bytes its elements span, a hash of its identity and
 // layout (a re-pointed or reshaped tensor gets another), and a digest of its values. One
 // call for a whole batch: per tensor it costs a few metadata reads instead of a dozen
-// Python calls. The digest is the one kvguard._digest_c computes (through its capsule), so
+// Python calls. The digest is the one kvguard._native.digest computes (through its capsule), so
 // digests taken here and there agree.
 
 struct DigestApi {
@@ -1140,7 +1140,7 @@ struct DigestApi {
                              const Py_ssize_t*);
 };
 
-const DigestApi* digest_api() { return borrowed_api<DigestApi>("kvguard._digest_c._api"); }
+const DigestApi* digest_api() { return borrowed_api<DigestApi>("kvguard._native.digest._api"); }
 
 inline uint64_t mix64(uint64_t h, uint64_t v) {  // splitmix64 over a running hash
   h ^= v + 0x9E3779B97F4A7C15ULL + (h << 6) + (h >> 2);
@@ -1366,7 +1366,7 @@ PyMethodDef methods[] = {
     {"set_watch", py_set_watch, METH_VARARGS,
      "set_watch(watch: Callable[[], object] | None, snapshots=None) -> None\n\nCalled with "
      "no arguments before every outermost write, while enabled; with `snapshots`, a list of "
-     "(containers, held) pairs of tuples, only when kvguard._speedups.same_values(containers, "
+     "(containers, held) pairs of tuples, only when kvguard._native.speedups.same_values(containers, "
      "held) is false for one of them."},
     {"add_protected", py_add_protected, METH_VARARGS,
      "add_protected(intervals: list[tuple[int, int]], identities: list[int], replace: bool = "
@@ -1375,16 +1375,16 @@ PyMethodDef methods[] = {
     {"describe", py_describe, METH_VARARGS,
      "describe(tensors: list, plain_types: tuple[type, ...], digest: bool) -> list\n\nPer "
      "tensor, None (Python must describe it) or (layout, impl, device, start, stop, dense, "
-     "digest, inference): see kvguard/_write_hook.cpp."},
+     "digest, inference): see kvguard/_native/csrc/write_hook.cpp."},
     {"writes", py_writes, METH_NOARGS,
      "writes() -> int\n\nHow many outermost writing ops ran while enabled."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
-    "kvguard._write_hook",
+    "kvguard._native.write_hook",
     "A process-wide C++ hook on every writing op (the ADInplaceOrView key). Built by "
-    "kvguard._build for this torch; see kvguard/_write_hook.cpp.",
+    "kvguard._native.build for this torch; see kvguard/_native/csrc/write_hook.cpp.",
     -1,
     methods,
     nullptr,
@@ -1394,6 +1394,6 @@ PyModuleDef module_def = {
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__write_hook(void) {
+PyMODINIT_FUNC PyInit_write_hook(void) {
   return PyModule_Create(&module_def);
 }

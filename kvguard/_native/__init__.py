@@ -1,0 +1,9 @@
+"""What kvguard has below Python: the C and C++ sources it builds, and the build of the write hook.
+
+`csrc/write_hook.cpp` is the compiled engine's hook on `ADInplaceOrView` and also reads a
+batch of tensors for the protected set's records, so it serves two rooms; it is built at
+first use for the installed torch (`build`). `csrc/speedups.c` (the placement check and
+list walk, lent to the hook through a capsule) and `csrc/digest.c` (digests of CPU memory)
+are optional extensions built at install; every one has a Python fallback. The `.pyi`
+files type them. Imports no room of kvguard's.
+"""
