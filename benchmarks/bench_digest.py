@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 import kvguard
-from kvguard import _digest
+from kvguard._protect import digest as _digest
 
 
 def _time(fn: Callable[[], object]) -> float:

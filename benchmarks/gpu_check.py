@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 import kvguard
-from kvguard import _digest
+from kvguard._protect import digest as _digest
 
 results: list[tuple[str, bool, str]] = []
 DEVICE = "cuda"

@@ -25,7 +25,7 @@ import os
 import types
 from typing import Any, Callable, Collection, Generator, Iterator, Optional, TypeVar
 
-from kvguard import _frames
+from kvguard._protect import frames as _frames
 
 from kvguard._report import files as _reportfile
 from kvguard._config import guard_defaults

@@ -12,7 +12,8 @@ import threading
 import warnings
 from typing import Any, Callable, Collection, Literal, Optional, TypeVar
 
-from kvguard import _frames, _handlers, _ranks
+from kvguard import _handlers, _ranks
+from kvguard._protect import frames as _frames
 
 from kvguard._report import render as _render
 
@@ -106,7 +107,7 @@ class Guard:
         self.call = PROCESS.tally.begin_call(self._label)
         for tally in self._tallies[1:]:
             tally.begin_call(self._label)
-        from kvguard._protect import ProtectedSet
+        from kvguard._protect.protected import ProtectedSet
 
         self._protected = ProtectedSet(self.obj, self.name, self.keys, self.ignore, fingerprint=self.fingerprint)
         self._watch_ops()
@@ -435,7 +436,7 @@ def guardable(obj: Any) -> bool:
     Containers: dicts and every Mapping, lists, tuples, namedtuples, dataclass instances,
     `types.SimpleNamespace` and `torch.utils._pytree` nodes (see `_tree`).
     """
-    from kvguard import _tree
+    from kvguard._protect import tree as _tree
 
     if isinstance(obj, (dict, list, tuple)) or _tree.walkable(obj):
         return True
@@ -445,7 +446,7 @@ def guardable(obj: Any) -> bool:
 
 def _check_target(obj: Any) -> None:
     if not guardable(obj):
-        from kvguard import _tree
+        from kvguard._protect import tree as _tree
 
         kind = obj if isinstance(obj, type) else type(obj)
         spelled = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"

@@ -36,12 +36,11 @@ import os
 import types
 from typing import Any, Iterator, NamedTuple, Optional
 
-from kvguard import _frames
+from kvguard._protect import frames as _frames
 
 OWN, OTHER, PASSES = "own", "other", "passes"  # a handler's verdict, and a frame's
 _MAX_FRAMES = 200
 _MAX_HOPS = 64  # handlers followed inside one frame
-_KVGUARD_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _CACHE_SIZE = 512
 _MISSING = object()
 
@@ -92,7 +91,7 @@ def caught_by_its_own_class(error: BaseException, frame: Optional[types.FrameTyp
 
 
 def _walk(error: BaseException, frame: Optional[types.FrameType]) -> str:
-    while frame is not None and frame.f_code.co_filename.startswith(_KVGUARD_DIR):
+    while frame is not None and frame.f_code.co_filename.startswith(_frames.PACKAGE_DIR):
         frame = frame.f_back
     for _ in range(_MAX_FRAMES):
         if frame is None:

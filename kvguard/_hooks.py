@@ -19,10 +19,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from kvguard import _frames, _records, _torch
+from kvguard import _torch
+from kvguard._protect import frames as _frames
+from kvguard._protect import records as _records
 from kvguard._judge import After, WriteJudge, judge_all
 from kvguard._mode import thread_judges
-from kvguard._protect import collector_paused
+from kvguard._protect.protected import collector_paused
 
 
 def outside_dynamo(fn: Any) -> Any:

@@ -153,7 +153,7 @@ def _holds_tensor(value: Any) -> bool:
     try:
         import torch
 
-        from kvguard import _tree
+        from kvguard._protect import tree as _tree
 
         leaves, _ = _tree.walk(value, "x", torch.Tensor)
         return bool(leaves)

@@ -13,10 +13,11 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from kvguard import _diff, _frames, _torch
+from kvguard import _diff, _torch
+from kvguard._protect import frames as _frames
 from kvguard._errors import MutationError
 from kvguard._report.events import MutationEvent
-from kvguard._protect import Entry, ProtectedSet
+from kvguard._protect.protected import Entry, ProtectedSet
 
 FREED_DIFF = "values not compared (the tensor was freed before they could be read)"
 UNOBSERVED_DIFF = ("values changed with no dispatched write: a numpy view, a raw pointer, another thread or "

@@ -178,7 +178,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
         if writes:  # the test failed on its own (an assert on data a write changed?): show them
             item.add_report_section("call", "kvguard writes", "\n\n".join(writes))
         if isinstance(exc, MutationError):
-            from kvguard._frames import drop_internal_frames
+            from kvguard._protect.frames import drop_internal_frames
 
             drop_internal_frames(exc)
         raise
@@ -236,7 +236,7 @@ def _enter_marked(item: pytest.Item) -> None:
 
 def _holds_tensor(value: Any) -> bool:
     from kvguard._guard import guardable
-    from kvguard._tree import walk
+    from kvguard._protect.tree import walk
 
     torch = sys.modules.get("torch")  # not imported yet: no tensors to guard
     if torch is None or not guardable(value):
@@ -250,7 +250,7 @@ def _enter(item: pytest.Item, g: Any) -> None:
 
 
 def _test_site(item: pytest.Item) -> Any:
-    from kvguard._frames import Site
+    from kvguard._protect.frames import Site
 
     function = getattr(item, "function", None)
     code = getattr(function, "__code__", None)

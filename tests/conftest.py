@@ -61,7 +61,7 @@ def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
         pytest.skip(f"the {name} engine is not available here: {why}")
     monkeypatch.setenv("KVGUARD_ENGINE", name)
     if name != "compiled":  # as where there is no compiler: the protected set reads tensors in Python too
-        from kvguard import _records
+        from kvguard._protect import records as _records
 
         monkeypatch.setattr(_records, "compiled_describe", lambda: None)
     return name

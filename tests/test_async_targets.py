@@ -32,7 +32,8 @@ ENGINES = ("compiled", "kernels", "mode")
 @pytest.fixture(params=ENGINES)
 def each_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run the test under each engine (as tests/conftest.py does for the per-engine modules)."""
-    from kvguard import _engines, _records
+    from kvguard import _engines
+    from kvguard._protect import records as _records
 
     why = _engines.why_not(request.param)
     if why is not None:

@@ -33,7 +33,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import kvguard
-from kvguard import _tree
+from kvguard._protect import tree as _tree
 
 tensordict = pytest.importorskip("tensordict")
 TensorDict = tensordict.TensorDict
@@ -421,7 +421,7 @@ def test_keys_name_fields_of_a_dataclass() -> None:
 
 
 def test_tree_stays_torch_free_at_import() -> None:
-    code = "import sys, kvguard._tree, kvguard._frames; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, kvguard._protect.tree, kvguard._protect.frames; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

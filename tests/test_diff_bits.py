@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import kvguard
-from kvguard import _diff, _digest
+from kvguard import _diff
+from kvguard._protect import digest as _digest
 
 ENGINES = ("compiled", "kernels", "mode")
 pytestmark = pytest.mark.parametrize("engine", ENGINES, indirect=True)

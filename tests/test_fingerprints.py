@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import kvguard
-from kvguard import _digest
+from kvguard._protect import digest as _digest
 
 
 # -- the digest ------------------------------------------------------------------------------

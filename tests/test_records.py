@@ -14,7 +14,9 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from kvguard import _digest, _records, _torch
+from kvguard import _torch
+from kvguard._protect import digest as _digest
+from kvguard._protect import records as _records
 from kvguard._native import build as _build
 
 COMPILED = _build.load()

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from kvguard import _tree
+from kvguard._protect import tree as _tree
 
 
 def is_tensor(obj: Any) -> bool:

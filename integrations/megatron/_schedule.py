@@ -31,7 +31,8 @@ from collections.abc import Mapping
 from typing import Any, Callable, Collection, Optional
 
 import kvguard
-from kvguard import _config, _frames
+from kvguard import _config
+from kvguard._protect import frames as _frames
 
 UNTIL = ("next_call", "release")
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep

@@ -11,7 +11,7 @@
  * The capsule `kvguard._native.speedups._api` gives the same check to kvguard._native.write_hook, which
  * runs it before every writing op without entering Python code.
  *
- * Optional: kvguard/_tree.py falls back to the same check in Python when this module
+ * Optional: kvguard/_protect/tree.py falls back to the same check in Python when this module
  * did not build.
  */
 #define PY_SSIZE_T_CLEAN

@@ -19,7 +19,7 @@ import sysconfig
 import types
 from typing import Any, Collection, Iterator, NamedTuple, Optional
 
-from kvguard._tree import Attr
+from kvguard._protect.tree import Attr
 
 _ANY = object()  # a key the source does not spell as a constant
 _STORE_METHODS = frozenset({"update", "setdefault", "append", "extend", "insert", "__setitem__", "__ior__",
@@ -33,6 +33,8 @@ _MACHINERY = ("torch", "wrapt", "typing_extensions")
 # (`tree.py` next to the script) is never skipped. The standard library's containers
 # (`collections`, `dataclasses`, `functools`, `contextlib`) are skipped as the standard library.
 CONTAINER_LIBRARIES = ("tensordict", "optree", "tree")
+# kvguard's own files, wherever it is installed: the package directory above this room.
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _skip_prefixes: Optional[tuple[str, ...]] = None
 _skip_found: tuple[Any, ...] = ()  # the modules `_skip_prefixes` was built from
 
@@ -46,7 +48,7 @@ def _internal_prefixes() -> tuple[str, ...]:
     if _skip_prefixes is None or found != _skip_found:
         _skip_found = found
         _internal_files.clear()
-        dirs = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
+        dirs = [PACKAGE_DIR]
         for name in _MACHINERY:
             dirs += _package_prefixes(name)
         for name in CONTAINER_LIBRARIES:

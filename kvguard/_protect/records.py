@@ -17,7 +17,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from kvguard import _digest, _torch
+from kvguard import _torch
+from kvguard._protect import digest as _digest
 
 # A record: (layout, impl, device, start, stop, dense, digest, inference). `layout` changes when the
 # tensor is re-pointed or reshaped; `impl` is its TensorImpl address (`_cdata`, None if it

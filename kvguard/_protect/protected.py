@@ -17,8 +17,12 @@ from typing import Any, Callable, Collection, Iterator, NamedTuple, Optional, Se
 
 import torch
 
-from kvguard import _digest, _frames, _records, _torch, _tree
-from kvguard._records import DIGEST, IMPL, LAYOUT
+from kvguard import _torch
+from kvguard._protect import digest as _digest
+from kvguard._protect import frames as _frames
+from kvguard._protect import records as _records
+from kvguard._protect import tree as _tree
+from kvguard._protect.records import DIGEST, IMPL, LAYOUT
 
 
 class Change(NamedTuple):
