@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 import kvguard
-from kvguard import _engines
+from kvguard._engine import choice as _choice
 
 WRITES = 20_000
 PLACEMENTS = 1_000
@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    _engines.install_only("compiled")
+    _choice.install_only("compiled")
     print("protected tensors | extra ns per writing op | µs per placement")
     print("---|---|---")
     for n in (int(s) for s in args.sizes.split(",")):

@@ -480,11 +480,11 @@ def _protected(w: Workload) -> Any:
 
 def _time_once(w: Workload, factory: Callable[[Any], ContextManager[Any]], hook: Optional[str] = None) -> float:
     """CPU seconds for one timed run: `inner` times (enter, body, exit), with only `hook` installed."""
-    from kvguard import _engines
+    from kvguard._engine import choice as _choice
 
-    before = set(_engines._hook_engines)
-    _engines.install_only(hook)  # untimed: installing is once per process in a real job
-    if set(_engines._hook_engines) != before:
+    before = set(_choice._hook_engines)
+    _choice.install_only(hook)  # untimed: installing is once per process in a real job
+    if set(_choice._hook_engines) != before:
         # Installing re-registers ~1,500 kernels and allocates thousands of objects: the
         # cold dispatcher and their collection are no run's cost. One untimed run warms up.
         # The young generations hold them (a full pass here cost ~0.3 s a switch).
@@ -570,9 +570,9 @@ def run_suite(loads: list[Workload], rounds: int, repeats: int = 2, max_seconds:
             base = times[w.name][base_key][0]
             entry["ratio"] = entry["seconds"] / base[0] if base and base[0] else float("nan")
     ops = {}
-    from kvguard import _engines
+    from kvguard._engine import choice as _choice
 
-    _engines.install_only(None)  # torch as it ships: a hook's own ops (`kernels` boxes scalars) are not the workload's
+    _choice.install_only(None)  # torch as it ships: a hook's own ops (`kernels` boxes scalars) are not the workload's
     for w in loads:
         if w.kind == "entry_exit":
             ops[w.name] = (0, 0)

@@ -124,7 +124,7 @@ def stays_on_device() -> None:
     data = {"x": x}
     with kvguard.guard(data, name="d", action="record") as g:
         x.mul_(2)
-    from kvguard import _diff
+    from kvguard._engine import diff as _diff
 
     snap = _diff.snapshot(x)
     where = getattr(snap, "device", None)

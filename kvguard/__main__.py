@@ -202,15 +202,15 @@ def _engines_command() -> int:
     import io
 
     try:
-        from kvguard import _engines
+        from kvguard._engine import choice as _choice
     except ImportError as exc:  # no torch: no engine at all
         print(f"kvguard: no engine can run here: {exc}", file=sys.stderr)
         return 1
     from kvguard._native import build as _build
 
-    width = max(map(len, _engines.ENGINES))
-    for name in _engines.ENGINES:
-        why = _engines.why_not(name)  # installs the hook: harmless here, and the only true answer
+    width = max(map(len, _choice.ENGINES))
+    for name in _choice.ENGINES:
+        why = _choice.why_not(name)  # installs the hook: harmless here, and the only true answer
         if why is not None:
             state = f"not available: {_one_line(why)}"
         elif name == "compiled":
@@ -221,12 +221,12 @@ def _engines_command() -> int:
     # choose() says on stderr what the lines above already said (a fallback, a bad value).
     said = io.StringIO()
     with contextlib.redirect_stderr(said):
-        chosen = _engines.choose()
+        chosen = _choice.choose()
     raw = _config.read("KVGUARD_ENGINE")
     if raw.lower() in ("", "auto"):
         why_chosen = "the first available; KVGUARD_ENGINE=compiled|kernels|mode asks for one"
-    elif raw.lower() not in _engines.ENGINES:
-        why_chosen = f"KVGUARD_ENGINE={raw!r} is not one of auto, {', '.join(_engines.ENGINES)}: the first available"
+    elif raw.lower() not in _choice.ENGINES:
+        why_chosen = f"KVGUARD_ENGINE={raw!r} is not one of auto, {', '.join(_choice.ENGINES)}: the first available"
     elif raw.lower() != chosen:
         why_chosen = f"KVGUARD_ENGINE={raw} asks for {raw.lower()}, which is not available: the next one"
     else:

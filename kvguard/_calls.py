@@ -362,7 +362,7 @@ def outside_dynamo(fn: F) -> F:
     object is marked for the frame evaluator to skip, recursively (`_hooks.outside_dynamo`).
     Imports torch: call it only where torch code is being wrapped.
     """
-    from kvguard._hooks import outside_dynamo as skip_code
+    from kvguard._engine.hooks import outside_dynamo as skip_code
 
     marked: F = skip_code(fn)
     try:

@@ -250,8 +250,8 @@ class Guard:
 
     def _exit_check(self, site: Optional[_frames.Site] = None, rescan: bool = False) -> list[MutationEvent]:
         """Boundary findings as events: values or memory that changed with no op reporting it."""
-        from kvguard import _diff
-        from kvguard._judge import UNOBSERVED_DIFF, unobserved_event
+        from kvguard._engine import diff as _diff
+        from kvguard._engine.judge import UNOBSERVED_DIFF, unobserved_event
 
         events = []
         for change in self._protected.boundary_changes(sys._getframe(1), rescan):
@@ -355,14 +355,14 @@ class Guard:
         if self.level != "full":  # no per-op hook at all; `swap_tensors` still needs our weak references aside
             self._unhook_swap = _torch.on_swap_tensors(self._step_aside)
             return
-        from kvguard import _engines
-        from kvguard._judge import WriteJudge
+        from kvguard._engine import choice as _choice
+        from kvguard._engine.judge import WriteJudge
 
         if self._judge is None:
             self._judge = WriteJudge(self._protected, self._on_event, block=self.action == "raise")
         self._unhook_swap = _torch.on_swap_tensors(self._judge.on_swap)
         try:
-            self._attachment = _engines.attach(self._judge)
+            self._attachment = _choice.attach(self._judge)
         except BaseException:
             self._unhook_swap()
             self._unhook_swap = _nothing_to_undo

@@ -4,7 +4,7 @@ No dispatch mode left on the stack, and `torch.utils.swap_tensors` (which an act
 guard wraps) restored: a guard left open by one test would otherwise change the next.
 
 The tests of what a guard sees run once per engine (`compiled`, `kernels`, `mode`,
-see `kvguard._engines`): the `engine` fixture sets `KVGUARD_ENGINE` for the test.
+see `kvguard._engine.choice`): the `engine` fixture sets `KVGUARD_ENGINE` for the test.
 Where the compiled engine cannot be built the tests skip, except under CI, where
 they fail: CI has a compiler.
 """
@@ -52,9 +52,9 @@ def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     name = getattr(request, "param", None)
     if name is None:
         return os.environ.get("KVGUARD_ENGINE") or "auto"
-    from kvguard import _engines
+    from kvguard._engine import choice as _choice
 
-    why = _engines.why_not(name)
+    why = _choice.why_not(name)
     if why is not None:
         if os.environ.get("CI") and name == "compiled":
             pytest.fail(f"the compiled engine is not available under CI: {why}")
@@ -74,10 +74,10 @@ def no_leaked_guard():
     yield
     assert torch._C._len_torch_dispatch_stack() == before, "a dispatch mode leaked out of the test"
     assert torch.utils.swap_tensors is swap, "a guard was left open: swap_tensors is still wrapped"
-    from kvguard import _engines
+    from kvguard._engine import choice as _choice
 
-    leaked = [hook.name for hook in _engines._hook_engines.values() if hook.judges]
-    for hook in _engines._hook_engines.values():  # so that one leak fails one test, not all after it
+    leaked = [hook.name for hook in _choice._hook_engines.values() if hook.judges]
+    for hook in _choice._hook_engines.values():  # so that one leak fails one test, not all after it
         for judge in list(hook.judges):
             hook.detach(judge)
     assert not leaked, f"a guard was left attached to the {', '.join(leaked)} engine"

@@ -32,10 +32,10 @@ ENGINES = ("compiled", "kernels", "mode")
 @pytest.fixture(params=ENGINES)
 def each_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run the test under each engine (as tests/conftest.py does for the per-engine modules)."""
-    from kvguard import _engines
+    from kvguard._engine import choice as _choice
     from kvguard._protect import records as _records
 
-    why = _engines.why_not(request.param)
+    why = _choice.why_not(request.param)
     if why is not None:
         if os.environ.get("CI") and request.param == "compiled":
             pytest.fail(f"the compiled engine is not available under CI: {why}")

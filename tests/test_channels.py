@@ -799,7 +799,7 @@ def _memset_write(c: Ctx) -> None:
 
 def _mode_ignores_compile_internals() -> bool:
     try:
-        from kvguard import _mode
+        from kvguard._engine import mode as _mode
     except ImportError:  # pragma: no cover
         return False
     mode = getattr(_mode, "MutationGuardMode", None)

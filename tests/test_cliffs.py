@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import kvguard
-from kvguard import _diff, _torch
+from kvguard import _torch
+from kvguard._engine import diff as _diff
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kvguard
-from kvguard import _diff
+from kvguard._engine import diff as _diff
 from kvguard._protect import digest as _digest
 
 ENGINES = ("compiled", "kernels", "mode")

@@ -1,4 +1,4 @@
-"""The engines (`compiled`, `kernels`, `mode`, see `kvguard._engines`): what an active guard
+"""The engines (`compiled`, `kernels`, `mode`, see `kvguard._engine.choice`): what an active guard
 leaves unchanged, what each reports where, and how one is chosen.
 
 Runs once per engine (conftest's `engine` fixture sets `KVGUARD_ENGINE`), except the
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import kvguard
-from kvguard import _engines
+from kvguard._engine import choice as _choice
 from kvguard._native import build as _build
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -226,7 +226,7 @@ def test_a_write_from_another_thread(engine: str) -> None:
 # 6. install_only, and switching engines between guards (in this process).
 
 def _available() -> list[str]:
-    return [name for name in _engines.ENGINES if _engines.why_not(name) is None]
+    return [name for name in _choice.ENGINES if _choice.why_not(name) is None]
 
 
 def _guard_under(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -244,8 +244,8 @@ def _guard_under(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_install_only_none_then_a_guard_under_each_engine(engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
     for name in _available():
-        _engines.install_only(None)
-        assert not _engines._hook_engines
+        _choice.install_only(None)
+        assert not _choice._hook_engines
         _guard_under(name, monkeypatch)
 
 
@@ -254,15 +254,15 @@ def test_switching_engines_between_guards(engine: str, monkeypatch: pytest.Monke
     assert "kernels" in names and "mode" in names
     for name in [*names, *reversed(names), "kernels", "mode", "kernels"]:
         _guard_under(name, monkeypatch)
-        hooks = list(_engines._hook_engines)  # one write hook at a time; mode leaves the last one
+        hooks = list(_choice._hook_engines)  # one write hook at a time; mode leaves the last one
         assert hooks == [name] if name != "mode" else len(hooks) <= 1, hooks
 
 
 def test_install_only_leaves_just_that_hook(engine: str) -> None:
-    _engines.install_only("kernels")
-    assert list(_engines._hook_engines) == ["kernels"]
-    _engines.install_only(None)
-    assert _engines._hook_engines == {}
+    _choice.install_only("kernels")
+    assert list(_choice._hook_engines) == ["kernels"]
+    _choice.install_only(None)
+    assert _choice._hook_engines == {}
 
 
 # 7. Choosing an engine, in a fresh process whose environment the test sets.
@@ -340,7 +340,7 @@ def test_without_a_compiler_and_no_cxx_the_reason_says_set_cxx(tmp_path: Path) -
 @pytest.mark.any_engine
 def test_the_compiled_engine_in_a_fresh_process(tmp_path: Path) -> None:
     """Where this process has the compiled engine, a child with the same cache uses it, silently."""
-    if _engines.why_not("compiled") is not None:
+    if _choice.why_not("compiled") is not None:
         pytest.skip(f"the compiled engine is not available here: {_build.reason()}")
     result = _child(tmp_path, KVGUARD_CACHE_DIR=str(_build.cache_root()), KVGUARD_ENGINE="compiled")
     assert (result.stdout, result.stderr) == ("raised compiled aten.add_.Tensor [0.0, 0.0]\n", "")

@@ -50,9 +50,9 @@ def _line_in(fn: Any, code: str) -> int:
 
 def _stack_len() -> int:
     """Guards attached to an engine: dispatch modes on this thread's stack, or judges of a write hook."""
-    from kvguard import _engines
+    from kvguard._engine import choice as _choice
 
-    return torch._C._len_torch_dispatch_stack() + sum(len(h.judges) for h in _engines._hook_engines.values())
+    return torch._C._len_torch_dispatch_stack() + sum(len(h.judges) for h in _choice._hook_engines.values())
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kvguard
-from kvguard import _diff
+from kvguard._engine import diff as _diff
 from kvguard._report import render as _render
 from kvguard._report.events import MutationEvent
 

@@ -44,13 +44,13 @@ def write_hook_module() -> ModuleType:
 def only_this_hook() -> Iterator[None]:
     """These tests own the raw module: no engine's hook is installed before them or left after.
 
-    kvguard's engines install one write hook at a time (`_engines.install_only`). A hook left
+    kvguard's engines install one write hook at a time (`_choice.install_only`). A hook left
     under this one would change what "unguarded" means here, and removing it later would
     pull the kernels this one calls from under it. The hook is installed after that, once.
     """
-    from kvguard import _engines
+    from kvguard._engine import choice as _choice
 
-    install_only = getattr(_engines, "install_only", None)
+    install_only = getattr(_choice, "install_only", None)
     if install_only is not None:
         install_only(None)
     module = sys.modules.get("kvguard._native.write_hook")
@@ -536,7 +536,8 @@ def test_add_protected_merges_like_merge_intervals(h: ModuleType, seed: int) -> 
     merged set would, here and in the Python twin."""
     import random
 
-    from kvguard import _kernels, _torch
+    from kvguard import _torch
+    from kvguard._engine import kernels as _kernels
 
     rng = random.Random(seed)
     buffer = bytearray(4096)

@@ -22,8 +22,9 @@ import torch
 from kvguard import _torch
 from kvguard._protect import frames as _frames
 from kvguard._protect import records as _records
-from kvguard._judge import After, WriteJudge, judge_all
-from kvguard._mode import thread_judges
+from kvguard._engine.backend import Backend
+from kvguard._engine.judge import After, WriteJudge, judge_all
+from kvguard._engine.mode import thread_judges
 from kvguard._protect.protected import collector_paused
 
 
@@ -62,7 +63,7 @@ def overload_of(name: str) -> Any:
 class HookEngine:
     """The active guards of one installed backend, and the protected memory they share."""
 
-    def __init__(self, name: str, backend: Any) -> None:
+    def __init__(self, name: str, backend: Backend) -> None:
         self.name = name
         self.backend = backend
         self.judges: list[WriteJudge] = []  # in entry order: the innermost guard judges first

@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from kvguard import _torch
-from kvguard._judge import WriteJudge, judge_all
+from kvguard._engine.judge import WriteJudge, judge_all
 
 _facts_cache = _torch._facts_cache
 _op_facts = _torch.op_facts

@@ -1,10 +1,10 @@
 """Which engine finds a guard's writes: `compiled`, `kernels` or `mode`.
 
 - `compiled`: the write hook in C++ (`write_hook`, built for the installed torch on
-  first use, see `_build`): about unguarded speed.
-- `kernels`: the same hook as Python kernels (`_kernels`): no compiler needed, every
+  first use, see `kvguard._native.build`): about unguarded speed.
+- `kernels`: the same hook as Python kernels (`kernels`): no compiler needed, every
   writing op becomes a Python call.
-- `mode`: a `TorchDispatchMode` (`_mode`): every op becomes a Python call; the only
+- `mode`: a `TorchDispatchMode` (`mode`): every op becomes a Python call; the only
   engine on torch < 2.9 (no computed-kernel API), and the one that sees inference-mode
   writes from threads other than the guard's (the write hooks see its own thread's).
 
@@ -14,10 +14,17 @@ An engine that cannot be had is one line on stderr, then the next one: never a c
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union, cast
 
 from kvguard import _config
-from kvguard._judge import WriteJudge
+from kvguard._engine.backend import Backend
+from kvguard._engine.judge import WriteJudge
+
+if TYPE_CHECKING:  # mypy checks here that both backends are one, the compiled one by its .pyi
+    from kvguard._engine import kernels
+    from kvguard._native import write_hook
+
+    _BACKENDS: tuple[Backend, Backend] = (write_hook, kernels)
 
 ENGINES = ("compiled", "kernels", "mode")
 _hook_engines: dict[str, Any] = {}
@@ -84,7 +91,7 @@ def why_not(name: str) -> Optional[str]:
             if isinstance(backend, str):
                 _unavailable[name] = backend
                 return backend
-            from kvguard._hooks import HookEngine
+            from kvguard._engine.hooks import HookEngine
 
             _hook_engines[name] = HookEngine(name, backend)
         except Exception as exc:  # noqa: BLE001 - an engine that fails to install is not used
@@ -108,20 +115,20 @@ def install_only(name: Optional[str]) -> None:
             raise RuntimeError(f"the {name} engine is not available: {why}")
 
 
-def _backend(name: str) -> Any:
+def _backend(name: str) -> Union[Backend, str]:
     """The backend module for a hook engine, or a string saying why there is none."""
     import torch
 
     if not hasattr(torch.library, "get_kernel"):
         return f"torch {torch.__version__} lacks the computed-kernel API (torch >= 2.9 has it)"
     if name == "kernels":
-        from kvguard import _kernels
+        from kvguard._engine import kernels as _kernels
 
         return _kernels
     from kvguard._native import build as _build
 
-    module = _build.load()
-    return module if module is not None else _build.reason()
+    module = _build.load()  # kvguard._native.write_hook, loaded from the build cache
+    return cast(Backend, module) if module is not None else _build.reason()
 
 
 def attach(judge: WriteJudge) -> Any:
@@ -134,7 +141,7 @@ def attach(judge: WriteJudge) -> Any:
             _unavailable[name] = f"{type(exc).__name__}: {exc}"
             _say_once(f"failed:{name}", f"kvguard: the {name} engine failed ({_unavailable[name]}); "
                                         "using the dispatch mode")
-    from kvguard._mode import ModeAttachment
+    from kvguard._engine.mode import ModeAttachment
 
     return ModeAttachment(judge)
 

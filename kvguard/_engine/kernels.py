@@ -1,6 +1,6 @@
 """The `kernels` backend: the write hook as Python kernels on ADInplaceOrView.
 
-The Python twin of the compiled `write_hook` (same functions, same behaviour), for
+The Python twin of the compiled `kvguard._native.write_hook` (same functions, same behaviour), for
 when no compiler is at hand: every writing op becomes a Python call (about 1.4x on a
 per-token GAE, 2x with 20 % in-place ops), reads stay free. Installing it takes a few
 hundred milliseconds; it is installed once per process and then switched on and off.
@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from kvguard import _torch
-from kvguard._hooks import outside_dynamo, overload_of
+from kvguard._engine.hooks import outside_dynamo, overload_of
 
 _KEY = "ADInplaceOrView"
 _BELOW = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.ADInplaceOrView)
@@ -357,6 +357,6 @@ def _candidate(tensor: torch.Tensor) -> bool:
 
 
 def _self_copy(args: tuple[Any, ...]) -> bool:
-    from kvguard._judge import _is_self_copy
+    from kvguard._engine.judge import _is_self_copy
 
     return _is_self_copy(args)

@@ -13,7 +13,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from kvguard import _diff, _torch
+from kvguard import _torch
+from kvguard._engine import diff as _diff
 from kvguard._protect import frames as _frames
 from kvguard._errors import MutationError
 from kvguard._report.events import MutationEvent
