@@ -54,7 +54,7 @@ def wrap(fn: F, argname: str, start: Start, who: str, finish: Optional[Finish] =
     """A wrapper of `fn`'s own form that guards `argname` on each call (see the module docstring).
 
     `who` names the wrapper in messages (`kvguard.guarded('rd')`, `target m:f(rd)`).
-    Marked for Dynamo to step around it (see `outside_dynamo`).
+    Marked for Dynamo to step around it (`kvguard._torch.outside_dynamo`).
     """
     try:
         signature = parameters(fn, argname)
@@ -77,7 +77,9 @@ def wrap(fn: F, argname: str, start: Start, who: str, finish: Optional[Finish] =
         wrapper = _generator_wrapper(fn, guard_for, done)
     else:
         wrapper = _plain_wrapper(fn, guard_for, done, who)
-    return outside_dynamo(functools.wraps(fn)(wrapper))  # type: ignore[return-value]
+    from kvguard._torch import outside_dynamo  # imports torch, as the code it wraps does
+
+    return outside_dynamo(functools.wraps(fn)(wrapper))  # type: ignore[no-any-return]
 
 
 def guarded(argname: str, *, name: Optional[str] = None, action: str = "raise",
@@ -350,25 +352,3 @@ class _Unguarded:
 
 
 _UNGUARDED = _Unguarded()
-
-
-def outside_dynamo(fn: F) -> F:
-    """`fn`, never traced by Dynamo, and run eagerly, with what it calls, from `torch.compile`d code.
-
-    Entering and leaving a guard (weak references, frames, a dispatch mode) must be
-    invisible to Dynamo: traced, it crashes. Marked in place, at no cost per call and with
-    no frame of torch's between the caller and the body: `_torchdynamo_disable` makes
-    Dynamo's tracer break the graph at the call instead of inlining it, and the code
-    object is marked for the frame evaluator to skip, recursively (`_hooks.outside_dynamo`).
-    Imports torch: call it only where torch code is being wrapped.
-    """
-    from kvguard._engine.hooks import outside_dynamo as skip_code
-
-    marked: F = skip_code(fn)
-    try:
-        setattr(marked, "_torchdynamo_disable", True)
-        setattr(marked, "_torchdynamo_disable_msg", "kvguard enters and leaves its guard eagerly")
-    except (AttributeError, TypeError):  # noqa: BLE001 - an object without attributes: marked code only
-        pass
-    return marked
-

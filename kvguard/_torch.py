@@ -12,6 +12,7 @@ import math
 from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode  # the mode engine's base
 
 # c10d's in-place collectives mark no argument as written (their schemas carry no alias
 # annotation), so a schema-only filter drops them. These are the parameters they write.
@@ -704,3 +705,110 @@ def _swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
     finally:
         for after in reversed(afters):
             after(swapped)
+
+
+# ---------------------------------------------------------------------------------------
+# The dispatcher: the key the write hooks sit on, the key of their inference-mode kernels,
+# and what the Python kernels ask of it. The compiled hook asks the same in C++.
+
+HOOK_KEY = "ADInplaceOrView"
+BELOW_HOOK = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.ADInplaceOrView)
+# The key of the inference-mode kernels (`csrc/write_hook.cpp`, kInferenceKey): torch's
+# Python enum does not name it; it sits just above FuncTorchGradWrapper.
+INFERENCE_KEY_NAME = "DeferredInit"
+INFERENCE_KEY = torch._C.DispatchKey(torch._C.DispatchKey.FuncTorchGradWrapper.value + 1)
+BELOW_INFERENCE = torch._C._dispatch_keyset_full_after(INFERENCE_KEY)
+
+
+def all_op_names() -> list[str]:
+    """Every op registered with the dispatcher now, `ns::name.overload`."""
+    return list(torch._C._dispatch_get_all_op_names())
+
+
+def thread_includes(key: Any) -> bool:
+    """Whether this thread's dispatch key set has `key` switched on."""
+    return bool(torch._C._dispatch_tls_is_dispatch_key_included(key))
+
+
+def set_thread_includes(key: Any, on: bool) -> None:
+    torch._C._dispatch_tls_set_dispatch_key_included(key, on)
+
+
+def has_fallback(key: Any) -> bool:
+    """Whether someone registered a fallback kernel for every op on `key`."""
+    return bool(torch._C._dispatch_has_backend_fallback(key))
+
+
+def hook_kernel(func: Any, name: str) -> Any:
+    """The op's own kernel on the hook key (to call it back), or None when it has none."""
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(name, HOOK_KEY):
+        return None
+    return torch.library.get_kernel(func, HOOK_KEY)
+
+
+def python_hook_kernel(name: str) -> bool:
+    """Whether the op's own kernel on the hook key is Python (a `torch.library.custom_op`)."""
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(name, HOOK_KEY):
+        return False
+    return ".py:" in str(torch._C._dispatch_get_computed_kernel_for_dispatch_key(name, HOOK_KEY))
+
+
+def tensor_params(func: Any) -> list[tuple[int, str, bool]]:
+    """(position, name, keyword-only) of each `Tensor` parameter of the op's schema."""
+    return [(i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments) if str(a.type) == "Tensor"]
+
+
+def destroy_library(library: Any) -> None:
+    """Remove every kernel a `torch.library.Library` registered."""
+    library._destroy()
+
+
+def identity(tensor: torch.Tensor) -> int:
+    """The address of the tensor's TensorImpl: the same for every Python object of one tensor."""
+    return int(tensor._cdata)
+
+
+def current_dispatch_modes() -> list[Any]:
+    """This thread's dispatch modes, outermost first."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return list(_get_current_dispatch_mode_stack())
+
+
+def outside_dynamo(fn: Any) -> Any:
+    """`fn`, never traced by Dynamo, and run eagerly, with what it calls, from `torch.compile`d code.
+
+    kvguard's wrappers, kernels and callbacks run inside compiled functions too, where
+    Dynamo would trace them (and crash on weak references, frames, dispatch modes). The
+    code object is marked for the frame evaluator to skip, recursively: no cost per call
+    and no frame of torch's in between. `_torchdynamo_disable` makes Dynamo's tracer break
+    the graph at a call of `fn` instead of inlining it. Without the first (another torch),
+    the `torch._dynamo.disable` wrapper does both, at ~45 µs a call.
+    """
+    try:
+        from torch._C._dynamo import eval_frame
+
+        skip = eval_frame._FrameAction.SKIP
+        eval_frame.set_code_exec_strategy(fn.__code__, eval_frame._FrameExecStrategy(skip, skip))
+    except Exception:  # noqa: BLE001 - another torch: the slow wrapper
+        return getattr(torch, "_disable_dynamo")(fn)
+    try:
+        setattr(fn, "_torchdynamo_disable", True)
+        setattr(fn, "_torchdynamo_disable_msg", "kvguard runs eagerly")
+    except (AttributeError, TypeError):  # noqa: BLE001 - an object without attributes: marked code only
+        pass
+    return fn
+
+
+def pytree() -> Any:
+    """`torch.utils._pytree` (its registered nodes and key classes), or None in a torch without it."""
+    try:
+        import torch.utils._pytree as module
+    except Exception:  # noqa: BLE001 - a torch without it: no pytree nodes
+        return None
+    return module
+
+
+def cxx11_abi() -> int:
+    """The `_GLIBCXX_USE_CXX11_ABI` torch was built with, for compiling against it."""
+    return int(torch._C._GLIBCXX_USE_CXX11_ABI)

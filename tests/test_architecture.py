@@ -194,6 +194,53 @@ def test_every_subpackage_is_shipped() -> None:
     assert subpackages <= shipped, f"not in setup.cfg's packages: {sorted(subpackages - shipped)}"
 
 
+def private_torch(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, name) of the private torch APIs a module names in code, one per line: `torch._C...`,
+    `from torch.utils._pytree import ...`, `x._cdata`, `getattr(torch, "_disable_dynamo")`."""
+    found: dict[int, str] = {}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+            named = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            named = [a.name for a in node.names if a.name.startswith("torch")]
+        elif isinstance(node, ast.Attribute):
+            chain, value = [node.attr], node.value
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            if isinstance(value, ast.Name):
+                chain.append(value.id)
+            named = [".".join(reversed(chain))] if chain[-1] == "torch" or node.attr in TORCH_PRIVATE_ATTRS else []
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
+                and len(node.args) > 1 and isinstance(node.args[0], ast.Name) and node.args[0].id == "torch" \
+                and isinstance(node.args[1], ast.Constant):
+            named = [f"torch.{node.args[1].value!s}"]
+        else:
+            continue
+        for name in named:
+            if any(part.startswith("_") and not part.startswith("__") for part in name.split(".")[1:]) \
+                    or name.rpartition(".")[2] in TORCH_PRIVATE_ATTRS:
+                found.setdefault(node.lineno, name)
+    return sorted(found.items())
+
+
+TORCH_PRIVATE_ATTRS = {"_cdata", "_schema", "_destroy"}  # private attributes of torch's objects
+
+
+def test_private_torch_apis_are_used_only_in_the_fence() -> None:
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}: {name}"
+             for name, path in module_names().items() if path.suffix == ".py" and name != "kvguard._torch"
+             for line, name in private_torch(path)]
+    assert not found, "private torch APIs outside kvguard/_torch.py:\n" + "\n".join(found)
+
+
+def test_the_fence_check_finds_private_apis(tmp_path: pathlib.Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("import torch\nfrom torch.utils._pytree import SUPPORTED_NODES\nk = torch._C.DispatchKey\n"
+                      "i = t._cdata\nd = getattr(torch, '_disable_dynamo')\nok = torch.utils.swap_tensors\n")
+    assert [line for line, _ in private_torch(module)] == [2, 3, 4, 5]
+
+
 def test_circles_are_found() -> None:
     edges = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}
     assert circles(edges) == [["a", "b", "c"]]

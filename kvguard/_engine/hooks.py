@@ -20,30 +20,13 @@ from typing import Any, Optional, Sequence
 import torch
 
 from kvguard import _torch
+from kvguard._torch import outside_dynamo
 from kvguard._protect import frames as _frames
 from kvguard._protect import records as _records
 from kvguard._engine.backend import Backend
 from kvguard._engine.judge import After, WriteJudge, judge_all
 from kvguard._engine.mode import thread_judges
 from kvguard._protect.protected import collector_paused
-
-
-def outside_dynamo(fn: Any) -> Any:
-    """`fn`, never traced by Dynamo, nor anything it calls, at no cost per call.
-
-    Writing ops call into kvguard also while a `torch.compile`d function runs, where
-    Dynamo would try to compile our frames. Marking the code object to be skipped,
-    recursively, costs nothing per call; the `torch._dynamo.disable` wrapper costs
-    ~45 µs per call, which a per-op callback cannot afford.
-    """
-    try:
-        from torch._C._dynamo import eval_frame
-
-        skip = eval_frame._FrameAction.SKIP
-        eval_frame.set_code_exec_strategy(fn.__code__, eval_frame._FrameExecStrategy(skip, skip))
-        return fn
-    except Exception:  # noqa: BLE001 - another torch: the slow wrapper
-        return getattr(torch, "_disable_dynamo")(fn)
 
 
 # op name as the backend spells it ("aten::mul_.Tensor") -> its OpOverload

@@ -16,15 +16,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from kvguard import _torch
-from kvguard._engine.hooks import outside_dynamo, overload_of
-
-_KEY = "ADInplaceOrView"
-_BELOW = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.ADInplaceOrView)
-# The key the compiled hook's inference-mode kernels use (`csrc/write_hook.cpp`, kInferenceKey):
-# torch's Python enum does not name it; it sits just above FuncTorchGradWrapper.
-_INFERENCE_KEY_NAME = "DeferredInit"
-_INFERENCE_KEY = torch._C.DispatchKey(torch._C.DispatchKey.FuncTorchGradWrapper.value + 1)
-_BELOW_INFERENCE = torch._C._dispatch_keyset_full_after(_INFERENCE_KEY)
+from kvguard._engine.hooks import overload_of
+from kvguard._torch import (BELOW_HOOK, BELOW_INFERENCE, HOOK_KEY, INFERENCE_KEY, INFERENCE_KEY_NAME,
+                            outside_dynamo)
 
 
 class _State:
@@ -55,7 +49,7 @@ def install() -> int:
     names = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Overriding a previously registered kernel", once per op
-        for name in torch._C._dispatch_get_all_op_names():
+        for name in _torch.all_op_names():
             func = _overload(name)
             if func is None or not _torch.op_facts(func).written or _python_original(name):
                 continue
@@ -77,12 +71,12 @@ def uninstall() -> None:
     global _library, _inference
     if _library is not None:
         for library in _library.values():
-            library._destroy()
+            _torch.destroy_library(library)
         _library = None
         _hooked.clear()
     if _inference:
         for library in _inference.values():
-            library._destroy()
+            _torch.destroy_library(library)
     _inference = None
 
 
@@ -99,14 +93,14 @@ def watch_inference(on: bool) -> bool:
         return False
     count = getattr(_local, "inference_watchers", 0)
     if on:
-        if count == 0 and not torch._C._dispatch_tls_is_dispatch_key_included(_INFERENCE_KEY):
-            torch._C._dispatch_tls_set_dispatch_key_included(_INFERENCE_KEY, True)
+        if count == 0 and not _torch.thread_includes(INFERENCE_KEY):
+            _torch.set_thread_includes(INFERENCE_KEY, True)
             _local.inference_included = True
         _local.inference_watchers = count + 1
     elif count > 0:
         _local.inference_watchers = count - 1
         if count == 1 and getattr(_local, "inference_included", False):
-            torch._C._dispatch_tls_set_dispatch_key_included(_INFERENCE_KEY, False)
+            _torch.set_thread_includes(INFERENCE_KEY, False)
             _local.inference_included = False
     return True
 
@@ -115,11 +109,11 @@ def _install_inference() -> bool:
     """Register the inference-mode kernels once (a fallthrough for every other op)."""
     global _inference
     if _inference is None:
-        if _library is None or torch._C._dispatch_has_backend_fallback(_INFERENCE_KEY):
+        if _library is None or _torch.has_fallback(INFERENCE_KEY):
             _inference = False
             return False
         libraries: dict[str, Any] = {"_": torch.library.Library("_", "IMPL")}  # type: ignore[no-untyped-call]
-        libraries["_"].fallback(torch.library.fallthrough_kernel, dispatch_key=_INFERENCE_KEY_NAME)
+        libraries["_"].fallback(torch.library.fallthrough_kernel, dispatch_key=INFERENCE_KEY_NAME)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for name in _hooked:
@@ -211,25 +205,21 @@ def _python_original(name: str) -> bool:
     Calling such a kernel back from a Python kernel re-enters ours; its inner aten ops
     reach the hook anyway.
     """
-    if not torch._C._dispatch_has_kernel_for_dispatch_key(name, _KEY):
-        return False
-    return ".py:" in str(torch._C._dispatch_get_computed_kernel_for_dispatch_key(name, _KEY))
+    return _torch.python_hook_kernel(name)
 
 
 def _register(library: Any, name: str, func: Any) -> None:
-    schema = func._schema
     facts = _torch.op_facts(func)
     # Python kernels get wrapped numbers (`x.add_(2)`) as Python scalars, which the
     # original kernel's boxed call refuses for a Tensor parameter: pass them as 0-d
     # tensors of the dtype the op computes in.
-    tensor_params = [(i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments) if str(a.type) == "Tensor"]
-    original = torch.library.get_kernel(func, _KEY) if torch._C._dispatch_has_kernel_for_dispatch_key(name, _KEY) \
-        else None
+    tensor_params = _torch.tensor_params(func)
+    original = _torch.hook_kernel(func, name)
     is_copy = name == "aten::copy_"
 
     def call_original(keyset: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if original is None:
-            return func.redispatch(keyset & _BELOW, *args, **kwargs)
+            return func.redispatch(keyset & BELOW_HOOK, *args, **kwargs)
         return original.call_boxed(keyset, *_as_tensors(args, kwargs, tensor_params), **kwargs)
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
@@ -238,7 +228,7 @@ def _register(library: Any, name: str, func: Any) -> None:
         return _judged(name, facts, is_copy, keyset, args, kwargs, call_original)
 
     # Runs inside ops, also while Dynamo traces a compiled function: never traced itself.
-    library.impl(name.partition("::")[2], outside_dynamo(kernel), _KEY, with_keyset=True)
+    library.impl(name.partition("::")[2], outside_dynamo(kernel), HOOK_KEY, with_keyset=True)
 
 
 def _register_inference(library: Any, name: str, func: Any) -> None:
@@ -246,11 +236,10 @@ def _register_inference(library: Any, name: str, func: Any) -> None:
     (every other write reaches ADInplaceOrView), then runs what is below the key."""
     facts = _torch.op_facts(func)
     is_copy = name == "aten::copy_"
-    tensor_params = [(i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
-                     if str(a.type) == "Tensor"]
+    tensor_params = _torch.tensor_params(func)
 
     def call_below(keyset: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return func.redispatch(keyset & _BELOW_INFERENCE, *_as_tensors(args, kwargs, tensor_params), **kwargs)
+        return func.redispatch(keyset & BELOW_INFERENCE, *_as_tensors(args, kwargs, tensor_params), **kwargs)
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if (not _state.enabled or getattr(_local, "depth", False) or not torch.is_inference_mode_enabled()
@@ -258,7 +247,7 @@ def _register_inference(library: Any, name: str, func: Any) -> None:
             return call_below(keyset, args, kwargs)
         return _judged(name, facts, is_copy, keyset, args, kwargs, call_below)
 
-    library.impl(name.partition("::")[2], outside_dynamo(kernel), _INFERENCE_KEY_NAME, with_keyset=True)
+    library.impl(name.partition("::")[2], outside_dynamo(kernel), INFERENCE_KEY_NAME, with_keyset=True)
 
 
 def _judged(name: str, facts: Any, is_copy: bool, keyset: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -342,7 +331,7 @@ def _candidate(tensor: torch.Tensor) -> bool:
     if state.send_all:
         return True
     try:
-        if tensor._cdata in state.identities:
+        if _torch.identity(tensor) in state.identities:
             return True
         storage = tensor.untyped_storage()
         lo = storage.data_ptr()

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from kvguard import _torch
+from kvguard._torch import TorchDispatchMode
 from kvguard._engine.judge import WriteJudge, judge_all
 
 _facts_cache = _torch._facts_cache
@@ -61,7 +61,7 @@ class MutationGuardMode(TorchDispatchMode):
 def thread_judges() -> list[WriteJudge]:
     """The judges of the guards' dispatch modes on this thread, in the order ops reach them
     (inside a mode's `__torch_dispatch__`: the modes below it)."""
-    return [m.judge for m in reversed(_get_current_dispatch_mode_stack()) if isinstance(m, MutationGuardMode)]
+    return [m.judge for m in reversed(_torch.current_dispatch_modes()) if isinstance(m, MutationGuardMode)]
 
 
 class ModeAttachment:

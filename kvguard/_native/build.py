@@ -119,11 +119,13 @@ def _compile_command(compiler: list[str], output: Path) -> list[str]:
     import torch
     import torch.utils.cpp_extension as cpp_extension
 
+    from kvguard import _torch
+
     lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
     includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
     return [
         *compiler, "-O2", "-std=c++17", "-fPIC", "-shared",
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        f"-D_GLIBCXX_USE_CXX11_ABI={_torch.cxx11_abi()}",
         "-DTORCH_EXTENSION_NAME=write_hook",
         *(f"-I{p}" for p in includes),
         str(SOURCE), "-o", str(output),

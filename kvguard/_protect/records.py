@@ -126,6 +126,6 @@ def _is_inference(tensor: torch.Tensor) -> bool:
 
 def _impl(tensor: torch.Tensor) -> Optional[int]:
     try:
-        return int(tensor._cdata)
+        return _torch.identity(tensor)
     except Exception:  # noqa: BLE001 - a subclass without one: found by its memory
         return None

@@ -68,19 +68,13 @@ _LEAF, _DICT, _LIST, _TUPLE, _NAMEDTUPLE, _DATACLASS, _NAMESPACE, _PYTREE, _MAPP
 _ATTRIBUTE_KINDS = (_DATACLASS, _NAMESPACE, _PYTREE, _MAPPING)
 
 
-def _pytree() -> Optional[types.ModuleType]:
+def _pytree() -> Any:
     """`torch.utils._pytree`, only if torch is imported already (never imports torch)."""
     if "torch" not in sys.modules:
         return None
-    module = sys.modules.get("torch.utils._pytree")
-    if module is None:
-        try:
-            import importlib
+    from kvguard import _torch  # torch is imported: this adds kvguard's one module on its private APIs
 
-            module = importlib.import_module("torch.utils._pytree")
-        except Exception:  # noqa: BLE001 - a torch without it: no pytree nodes
-            return None
-    return module
+    return _torch.pytree()
 
 
 def _pytree_nodes() -> Optional[Mapping[type, Any]]:
