@@ -8,16 +8,16 @@
 Importing kvguard does not import torch; the engine loads when a guard is entered.
 """
 
-from kvguard._allow import allow as allow
-from kvguard._calls import guarded as guarded
 from kvguard._errors import ConfigError as ConfigError
 from kvguard._errors import GuardWarning as GuardWarning
 from kvguard._errors import MutationError as MutationError
 from kvguard._errors import MutationWarning as MutationWarning
+from kvguard._guard.allow import allow as allow
+from kvguard._guard.calls import guarded as guarded
+from kvguard._guard.guard import Guard as Guard
+from kvguard._guard.guard import guard as guard
 from kvguard._report.events import GuardReport as GuardReport
 from kvguard._report.events import MutationEvent as MutationEvent
-from kvguard._guard import Guard as Guard
-from kvguard._guard import guard as guard
 
 __version__ = "0.2.0"
 __all__ = ["ConfigError", "Guard", "GuardReport", "GuardWarning", "MutationError", "MutationEvent",

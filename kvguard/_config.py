@@ -183,9 +183,19 @@ LEVELS = ("full", "light")
 
 def parse_level(value: object, source: str) -> str:
     """`full` (every op, and the boundaries) or `light` (the boundaries only), in any case."""
+    return _one_of(value, "level", LEVELS, source)
+
+
+def check_action(value: object, source: str) -> str:
+    """A guard's action, `raise`, `warn` or `record`, in any case (`"Warn"` works like `KVGUARD=WARN`)."""
+    return _one_of(value, "action", ACTIONS, source)
+
+
+def _one_of(value: object, what: str, choices: tuple[str, ...], source: str) -> str:
     spelled = value.strip().lower() if isinstance(value, str) else value
-    if spelled not in LEVELS:
-        raise ConfigError(f"invalid level {value!r} from {source}; expected full or light (any case)")
+    if spelled not in choices:
+        expected = f"{', '.join(choices[:-1])} or {choices[-1]}"
+        raise ConfigError(f"invalid {what} {value!r} from {source}; expected {expected} (any case)")
     return str(spelled)
 
 

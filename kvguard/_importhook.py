@@ -15,10 +15,10 @@ from typing import Any, Callable, Iterable, Optional
 
 import wrapt
 
-from kvguard import _calls
+from kvguard._guard import calls as _calls
 from kvguard._config import Calls
 from kvguard._report.diagnostics import WALKED, first_hints
-from kvguard._guard import Guard, guardable
+from kvguard._guard.guard import Guard, guardable
 from kvguard._text import say
 from kvguard._report.files import open_writer
 from kvguard._state import STATE

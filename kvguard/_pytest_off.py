@@ -103,7 +103,7 @@ class OffFixture:
     def protect(self, obj: Any, name: Optional[str] = None, *, action: Optional[str] = None,
                 keys: Optional[Collection[Any]] = None, ignore: Optional[Collection[Any]] = None) -> Any:
         """A `kvguard.Guard` over `obj` that is never entered: its report stays empty."""
-        from kvguard._guard import Guard
+        from kvguard._guard.guard import Guard
 
         OffLedger.note(self._item)
         return Guard(obj, name=name, action="record", keys=keys, ignore=ignore)

@@ -145,7 +145,7 @@ class MutationGuardFixture:
         every action but "off"; then the guard returned is never entered, its report
         stays empty, and the terminal summary counts the test.
         """
-        from kvguard._guard import Guard
+        from kvguard._guard.guard import Guard
 
         resolved = _resolve(self._item, action, "mutation_guard.protect()")
         g = Guard(obj, name=name, action=resolved if resolved != OFF else "record", keys=keys, ignore=ignore)
@@ -227,7 +227,7 @@ def _enter_marked(item: pytest.Item) -> None:
     else:
         pytest.fail(f"@pytest.mark.kvguard(arg={arg!r}): {item.name} has no argument or fixture "
                     f"{arg!r}; available: {', '.join(funcargs) or 'none'}", pytrace=False)
-    from kvguard._guard import Guard
+    from kvguard._guard.guard import Guard
 
     for argname, value in targets:
         _enter(item, Guard(value, name=options["name"] or argname, action=action,
@@ -235,7 +235,7 @@ def _enter_marked(item: pytest.Item) -> None:
 
 
 def _holds_tensor(value: Any) -> bool:
-    from kvguard._guard import guardable
+    from kvguard._guard.guard import guardable
     from kvguard._protect.tree import walk
 
     torch = sys.modules.get("torch")  # not imported yet: no tensors to guard

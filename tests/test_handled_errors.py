@@ -4,7 +4,7 @@ Each program below is what a user writes around a write that a `raise` guard blo
 guard's exit then either stays quiet (the error was expected: a handler names
 `kvguard.MutationError`, or read it) or raises it again with "caught inside the guard and
 never read" (a handler for a broader class swallowed it). The handlers are read from the
-bytecode on Python 3.11+ (`kvguard._handlers`); on 3.10 only reading the error counts.
+bytecode on Python 3.11+ (`kvguard._guard.handlers`); on 3.10 only reading the error counts.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import pytest
 import torch
 
 import kvguard
-from kvguard import MutationError, _handlers
+from kvguard import MutationError
+from kvguard._guard import handlers as _handlers
 
 pytest_plugins = ["pytester"]
 

@@ -23,7 +23,7 @@ import torch
 
 import kvguard
 from kvguard import _config, _ranks
-from kvguard._allow import Allowlist
+from kvguard._guard.allow import Allowlist
 from kvguard._paths import parse_patterns
 from kvguard._errors import ConfigError
 from kvguard._report.events import MutationEvent

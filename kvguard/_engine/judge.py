@@ -18,11 +18,14 @@ from kvguard._engine import diff as _diff
 from kvguard._protect import frames as _frames
 from kvguard._errors import MutationError
 from kvguard._report.events import MutationEvent
-from kvguard._protect.protected import Entry, ProtectedSet
+from kvguard._protect.protected import Change, Entry, ProtectedSet
 
 FREED_DIFF = "values not compared (the tensor was freed before they could be read)"
 UNOBSERVED_DIFF = ("values changed with no dispatched write: a numpy view, a raw pointer, another thread or "
                    "a compiled kernel?")
+LIGHT_DIFF = ("values changed during the guard (level='light' watches no op, so the writing line "
+              "is not known: level='full' names it)")
+MEMORY_DIFF = "identity or memory changed with no dispatched op (k.data = ..., or code the guard cannot see)"
 DRIFT_DIFF = ("values changed before this line's write with no dispatched write: a numpy view, a raw pointer, "
               "another thread or a compiled kernel?")
 META_VALUES = "(a meta tensor holds no data)"
@@ -226,6 +229,25 @@ def unobserved_event(entry: Entry, tensor: Optional[torch.Tensor], site: _frames
         after=after if after is not None else _values(tensor), diff=diff,
         aliases=tuple(entry.aliases), detached=entry.detached,
     )
+
+
+def boundary_event(change: Change, site: _frames.Site, watched_ops: bool) -> MutationEvent:
+    """What a boundary check found on one entry, as an event: its values or its memory changed
+    with no op reporting it (`watched_ops`: whether the guard watched ops, level "full")."""
+    if change.kind == "values":
+        return unobserved_event(change.entry, change.tensor, site, UNOBSERVED_DIFF if watched_ops else LIGHT_DIFF,
+                                f"digest {_digest_text(change.was)}",
+                                f"{_values(change.tensor)} (digest {_digest_text(change.now)})")
+    return unobserved_event(change.entry, change.tensor, site, MEMORY_DIFF, change.was, change.now)
+
+
+def _digest_text(digest: Any) -> str:
+    if isinstance(digest, tuple):
+        return "/".join(map(_digest_text, digest))
+    try:
+        return f"{int(digest) & ((1 << 64) - 1):016x}"
+    except Exception:  # noqa: BLE001
+        return "unknown"
 
 
 def _is_meta(tensor: Optional[torch.Tensor]) -> bool:

@@ -12,22 +12,22 @@ import threading
 import warnings
 from typing import Any, Callable, Collection, Literal, Optional, TypeVar
 
-from kvguard import _handlers, _ranks
+from kvguard import _ranks
+from kvguard._guard import handlers as _handlers
 from kvguard._protect import frames as _frames
 
 from kvguard._report import render as _render
 
 from kvguard._report import files as _reportfile
-from kvguard._allow import Allowlist
-from kvguard._allow import boundaries as allow_boundaries
-from kvguard._config import DEFAULT_MAX_EVENTS, GuardDefaults, guard_defaults, parse_level
+from kvguard._guard.allow import Allowlist
+from kvguard._guard.allow import boundaries as allow_boundaries
+from kvguard._config import DEFAULT_MAX_EVENTS, GuardDefaults, check_action, guard_defaults, parse_level
 from kvguard._errors import ConfigError, GuardWarning, MutationError, MutationWarning
 from kvguard._report.events import GuardReport, MutationEvent, detail_line, format_event
 from kvguard._state import STATE
 from kvguard._report.process import PROCESS
 from kvguard._text import say
 
-ACTIONS = ("raise", "warn", "record")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -45,7 +45,7 @@ class Guard:
                  fingerprint: Optional[bool] = None) -> None:
         # Each option not given (None) is the `KVGUARD_*` setting, else the built-in default.
         settings = _settings_for(target)
-        self.action = _check_action("raise" if action is None else action)
+        self.action = check_action("raise" if action is None else action, "kvguard.guard(action=...)")
         self.level = parse_level(level, "kvguard.guard(level=...)") if level is not None else settings.level or "full"
         self.fingerprint = _fingerprint_default(settings) if fingerprint is None else bool(fingerprint)
         if self.level == "light" and not self.fingerprint:
@@ -250,23 +250,12 @@ class Guard:
 
     def _exit_check(self, site: Optional[_frames.Site] = None, rescan: bool = False) -> list[MutationEvent]:
         """Boundary findings as events: values or memory that changed with no op reporting it."""
-        from kvguard._engine import diff as _diff
-        from kvguard._engine.judge import UNOBSERVED_DIFF, unobserved_event
+        from kvguard._engine.judge import boundary_event
 
         events = []
         for change in self._protected.boundary_changes(sys._getframe(1), rescan):
             site = site or self.exit_site or _frames.user_site()
-            tensor = change.tensor
-            if change.kind == "values":
-                before = f"digest {_digest_text(change.was)}"
-                after = f"{_diff.values(tensor)} (digest {_digest_text(change.now)})"
-                diff = UNOBSERVED_DIFF if self.level == "full" else (
-                    "values changed during the guard (level='light' watches no op, so the writing line "
-                    "is not known: level='full' names it)")
-            else:
-                before, after = change.was, change.now
-                diff = "identity or memory changed with no dispatched op (k.data = ..., or code the guard cannot see)"
-            event = unobserved_event(change.entry, tensor, site, diff, before, after)
+            event = boundary_event(change, site, watched_ops=self.level == "full")
             if not self._allowed(event):  # an allowed change is counted, never raised
                 events.append(event)
         return events
@@ -422,14 +411,6 @@ def guard(obj: Any, *, name: Optional[str] = None, action: str = "raise",
                  level=level, fingerprint=fingerprint)
 
 
-def _check_action(action: Any) -> str:
-    """The action, in any letter case: `"Warn"` works like `KVGUARD=WARN`."""
-    spelled = action.strip().lower() if isinstance(action, str) else action
-    if spelled not in ACTIONS:
-        raise ConfigError(f"invalid action {action!r}; expected one of {', '.join(ACTIONS)} (any case)")
-    return str(spelled)
-
-
 def guardable(obj: Any) -> bool:
     """Whether `obj` is something a guard protects: a tensor, or a container kvguard walks.
 
@@ -497,23 +478,6 @@ def _key_list(keys: Collection[Any]) -> str:
     return ", ".join(shown[:8]) + (f" … (+{len(shown) - 8})" if len(shown) > 8 else "") if shown else "no keys"
 
 
-def _digest_text(digest: Any) -> str:
-    if isinstance(digest, tuple):
-        return "/".join(map(_digest_text, digest))
-    try:
-        return f"{int(digest) & ((1 << 64) - 1):016x}"
-    except Exception:  # noqa: BLE001
-        return "unknown"
-
-
-def _check_level(level: Any) -> str:
-    """`full`: watch every op and check at the boundaries; `light`: boundaries only.
-
-    None (not given) is `KVGUARD_LEVEL`, else "full".
-    """
-    if level is None:
-        return guard_defaults().level or "full"
-    return parse_level(level, "kvguard.guard(level=...)")
 
 
 def _fingerprint_default(settings: Optional[GuardDefaults] = None) -> bool:

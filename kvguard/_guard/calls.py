@@ -28,9 +28,9 @@ from typing import Any, Callable, Collection, Generator, Iterator, Optional, Typ
 from kvguard._protect import frames as _frames
 
 from kvguard._report import files as _reportfile
-from kvguard._config import guard_defaults
+from kvguard._config import check_action, guard_defaults, parse_level
 from kvguard._errors import MutationError
-from kvguard._guard import Guard, _check_action, _check_level
+from kvguard._guard.guard import Guard
 from kvguard._text import say
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -98,9 +98,9 @@ def guarded(argname: str, *, name: Optional[str] = None, action: str = "raise",
         @kvguard.guarded("rollout_data", action="warn")
         def compute_advantages_and_returns(args, rollout_data): ...
     """
-    _check_action(action)
+    check_action(action, "kvguard.guarded(action=...)")
     if level is not None:
-        _check_level(level)
+        parse_level(level, "kvguard.guarded(level=...)")
     if not isinstance(argname, str):
         raise TypeError(f"kvguard.guarded() takes the argument's name as a string, got {argname!r}")
 
@@ -167,22 +167,19 @@ def _plain_wrapper(fn: Callable[..., Any], guard_for: GuardFor, done: Finish, wh
 def _run(g: Guard, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
          done: Finish) -> Generator[Any, Any, Any]:
     """Call `fn` under `g`; a generator or coroutine it returns keeps the guard (yielded, then driven)."""
-    try:
-        with g:
-            result = fn(*args, **kwargs)
-            steps = _steps_of(result)
-            if steps is None:
-                return result
-            error = g.pause()  # the plain body's stretch, checked at its return
-            if error is not None:
-                raise error
-            try:
-                yield result  # handed to the caller inside `_continued`, which drives the rest
-            finally:  # also when it is dropped before it ran (closed by the collector)
-                g.resume()
-            return (yield from _drive(g, steps, result))
-    finally:
-        done(g)
+    with _Running(g, done):
+        result = fn(*args, **kwargs)
+        steps = _steps_of(result)
+        if steps is None:
+            return result
+        error = g.pause()  # the plain body's stretch, checked at its return
+        if error is not None:
+            raise error
+        try:
+            yield result  # handed to the caller inside `_continued`, which drives the rest
+        finally:  # also when it is dropped before it ran (closed by the collector)
+            g.resume()
+        return (yield from _drive(g, steps, result))
 
 
 def _steps_of(result: Any) -> Optional[Iterator[Any]]:
@@ -238,14 +235,8 @@ def _generator_wrapper(fn: Callable[..., Any], guard_for: GuardFor, done: Finish
         if g is None:
             return (yield from fn(*args, **kwargs))
         body = fn(*args, **kwargs)
-        try:
-            with g:
-                return (yield from _drive(g, body, body))
-        except MutationError as exc:
-            _frames.drop_internal_frames(exc)
-            raise
-        finally:
-            done(g)
+        with _Running(g, done):
+            return (yield from _drive(g, body, body))
     return call
 
 
@@ -256,48 +247,34 @@ def _coroutine_wrapper(fn: Callable[..., Any], guard_for: GuardFor, done: Finish
         steps = _steps_of(body)
         if g is None or steps is None:
             return await body  # not guarded, or not a coroutine: `await` says what it is
-        try:
-            with g:
-                return await _drive(g, steps, body)
-        except MutationError as exc:
-            _frames.drop_internal_frames(exc)
-            raise
-        finally:
-            done(g)
+        with _Running(g, done):
+            return await _drive(g, steps, body)
     return call
 
 
 def _async_generator_wrapper(fn: Callable[..., Any], guard_for: GuardFor, done: Finish) -> Callable[..., Any]:
     async def call(*args: Any, **kwargs: Any) -> Any:
         g = guard_for(args, kwargs)
-        guard: Any = g if g is not None else _UNGUARDED
         body = fn(*args, **kwargs)
-        try:
-            with guard:
-                value, error = None, None
-                while True:
-                    step = body.asend(value) if error is None else body.athrow(error)
+        with _Running(g, done) as guard:
+            value, error = None, None
+            while True:
+                step = body.asend(value) if error is None else body.athrow(error)
+                try:
+                    item = await _drive(guard, step, body)
+                except StopAsyncIteration:
+                    return
+                error = guard.pause(_suspended_at(body))  # at its `yield`
+                if error is None:
                     try:
-                        item = await _drive(guard, step, body)
-                    except StopAsyncIteration:
-                        return
-                    error = guard.pause(_suspended_at(body))  # at its `yield`
-                    if error is None:
-                        try:
-                            value = yield item
-                        except GeneratorExit:
-                            guard.resume()
-                            await _drive(guard, body.aclose(), body)
-                            raise
-                        except BaseException as exc:  # noqa: BLE001 - thrown in by the consumer: passed on
-                            value, error = None, exc
-                    guard.resume()
-        except MutationError as exc:
-            _frames.drop_internal_frames(exc)
-            raise
-        finally:
-            if g is not None:
-                done(g)
+                        value = yield item
+                    except GeneratorExit:
+                        guard.resume()
+                        await _drive(guard, body.aclose(), body)
+                        raise
+                    except BaseException as exc:  # noqa: BLE001 - thrown in by the consumer: passed on
+                        value, error = None, exc
+                guard.resume()
     return call
 
 
@@ -333,6 +310,43 @@ def _suspended_at(body: Any) -> Optional[_frames.Site]:
     """The line where a generator, coroutine or async generator is suspended, if it is."""
     frame = getattr(body, "gi_frame", None) or getattr(body, "cr_frame", None) or getattr(body, "ag_frame", None)
     return _frames.site_of(frame) if frame is not None else None
+
+
+class _Running:
+    """The frame around a guarded body: the guard entered, a `MutationError`'s traceback
+    trimmed to the user's frames, `done` called however the body ends.
+
+    A class, not `contextlib.contextmanager`: on 3.11 that sets `__traceback__` back to
+    the untrimmed one after its generator re-raises. With no guard (the call runs
+    unguarded), the body is still stepped, through `_UNGUARDED`.
+    """
+
+    def __init__(self, g: Optional[Guard], done: Finish) -> None:
+        self.g, self.done = g, done
+
+    def __enter__(self) -> Any:
+        if self.g is None:
+            return _UNGUARDED
+        try:
+            return self.g.__enter__()
+        except BaseException as error:
+            if isinstance(error, MutationError):
+                _frames.drop_internal_frames(error)
+            self.done(self.g)
+            raise
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
+        if self.g is None:
+            return False
+        try:
+            return bool(self.g.__exit__(kind, exc, tb))
+        except MutationError as error:  # found at the exit check
+            _frames.drop_internal_frames(error)
+            raise
+        finally:
+            if isinstance(exc, MutationError):  # raised at the op, in the body
+                _frames.drop_internal_frames(exc)
+            self.done(self.g)
 
 
 class _Unguarded:
