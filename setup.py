@@ -9,8 +9,8 @@ from setuptools.command.build_py import build_py
 
 
 def startup_files() -> tuple[tuple[str, str], ...]:
-    """(name, text) of the `.pth` and `.start` files, read from kvguard/_pth.py without importing kvguard."""
-    spec = importlib.util.spec_from_file_location("_kvguard_pth", os.path.join("kvguard", "_pth.py"))
+    """(name, text) of the `.pth` and `.start` files, read from kvguard/_activate/pth.py without importing kvguard."""
+    spec = importlib.util.spec_from_file_location("_kvguard_pth", os.path.join("kvguard", "_activate", "pth.py"))
     pth = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pth)
     return (pth.PTH_NAME, pth.PTH_LINE), (pth.START_NAME, pth.START_LINE)

@@ -22,10 +22,11 @@ import sys
 from typing import Any, Optional
 
 import kvguard
-from kvguard import _config, _pth, _ranks
+from kvguard import _config, _ranks
+from kvguard._activate import pth as _pth
 from kvguard._errors import ConfigError
 
-_BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
+_BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_activate", "bootstrap")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

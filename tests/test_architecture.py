@@ -20,6 +20,9 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "kvguard"
 # `kvguard.__main__` sit above them all; the top-level leaves below them all.
 ROOMS = ("_activate", "_guard", "_engine", "_protect", "_native", "_report")
 LEAVES = ("_errors", "_text", "_paths", "_config", "_ranks", "_state", "_targets", "_presets", "_torch")  # import no room
+# Names that installed environments call (older `.pth` lines, pytest11 entry points): each
+# re-exports its room's module, so it sits with the package, above every room.
+SHIMS = ("_startup", "_pytest_plugin", "_pytest_off")
 # Arrows up the rooms, each for a reason, each an import under `if TYPE_CHECKING:` only.
 TYPED_UP = {
     ("kvguard._errors", "kvguard._report.events"): "MutationError carries its event and report, typed",
@@ -136,7 +139,7 @@ def describe(component: list[str], edges: dict[str, dict[str, int]]) -> str:
 def room(name: str) -> int:
     """Where a module sits: 0 the package and __main__, 1.. the rooms in order, last the leaves."""
     parts = name.split(".")
-    if len(parts) == 1 or parts[1] == "__main__":
+    if len(parts) == 1 or parts[1] == "__main__" or parts[1] in SHIMS:
         return 0
     if parts[1] in ROOMS and (PACKAGE / parts[1]).is_dir():  # a room is a subpackage
         return 1 + ROOMS.index(parts[1])

@@ -475,7 +475,7 @@ def run_job(tmp_path: Path, job: str, check: bool = True, **env: str) -> subproc
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD")}
     full_env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}", COLUMNS="120", **env)
     (tmp_path / "job.py").write_text(textwrap.dedent(job))
-    code = "import kvguard._startup as s; s.activate(); import runpy; runpy.run_path('job.py', run_name='__main__')"
+    code = "import kvguard._activate.startup as s; s.activate(); import runpy; runpy.run_path('job.py', run_name='__main__')"
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=full_env, capture_output=True,
                             text=True, timeout=120)
     if check:

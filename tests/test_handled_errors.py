@@ -476,7 +476,7 @@ def test_swallows_the_block(mutation_guard, batch):
 def test_pytest_raises_of_its_class_passes_a_broader_one_fails(pytester: pytest.Pytester) -> None:
     installed = any(ep.name == "kvguard" for ep in importlib.metadata.entry_points(group="pytest11"))
     pytester.makepyfile(test_blocks=PLUGIN_TESTS)
-    result = pytester.runpytest("--disable-plugin-autoload", "-p", "kvguard" if installed else "kvguard._pytest_plugin")
+    result = pytester.runpytest("--disable-plugin-autoload", "-p", "kvguard" if installed else "kvguard._activate.pytest_plugin")
     result.assert_outcomes(passed=2, failed=1)
     text = result.stdout.str()
     assert "batch['kl'][0] would be modified in place by aten.add_.Tensor at test_blocks.py:21" in text, text

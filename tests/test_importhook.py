@@ -34,7 +34,8 @@ def test_already_imported_target_and_its_aliases_are_guarded_then_restored() -> 
         import trainer_actor, trainer_loss
         from trainer_loss import compute_advantages_and_returns as alias
         kept = [trainer_loss.compute_advantages_and_returns]  # not a module global: never rebound
-        from kvguard import _config, _importhook
+        from kvguard import _config
+        from kvguard._activate import importhook as _importhook
         from kvguard._state import STATE
         from kvguard._report.process import PROCESS
         _importhook.install(_config.parse_targets("trainer_loss:compute_advantages_and_returns(rollout_data)"),
@@ -54,7 +55,7 @@ def test_already_imported_target_and_its_aliases_are_guarded_then_restored() -> 
 
 def test_keys_and_ignore_from_the_environment() -> None:
     code = """
-        import kvguard._startup; kvguard._startup.activate()
+        import kvguard._activate.startup; kvguard._activate.startup.activate()
         import torch, trainer_loss
         from kvguard._state import STATE
         from kvguard._report.process import PROCESS
@@ -71,7 +72,7 @@ def test_keys_and_ignore_from_the_environment() -> None:
 
 def test_startup_is_idempotent() -> None:
     result = run_python("""
-        import kvguard._startup as s
+        import kvguard._activate.startup as s
         s.activate(); s.activate()
         from kvguard._state import STATE
         from kvguard._report.process import PROCESS
@@ -99,7 +100,7 @@ def test_targets_syntax() -> None:
 
 
 def test_install_pth_writes_the_same_line_the_wheel_ships(tmp_path: Path) -> None:
-    from kvguard import _pth
+    from kvguard._activate import pth as _pth
 
     path = _pth.install(str(tmp_path))
     assert Path(path).read_text() == _pth.PTH_LINE
@@ -108,7 +109,7 @@ def test_install_pth_writes_the_same_line_the_wheel_ships(tmp_path: Path) -> Non
 
 
 def test_pth_line_is_inert_without_kvguard_and_one_line_on_failure() -> None:
-    from kvguard import _pth
+    from kvguard._activate import pth as _pth
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD")}
     off = subprocess.run([sys.executable, "-S", "-c", _pth.PTH_LINE], env=env, capture_output=True, text=True)
@@ -130,7 +131,7 @@ def run_script(tmp: Path, script: str, **env: str) -> subprocess.CompletedProces
     """`python script` in `tmp`, activated as the `.pth` line would activate it."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD")}
     full_env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{tmp}", COLUMNS="120", **env)
-    code = f"import kvguard._startup as s; s.activate(); import runpy; runpy.run_path({script!r}, run_name='__main__')"
+    code = f"import kvguard._activate.startup as s; s.activate(); import runpy; runpy.run_path({script!r}, run_name='__main__')"
     return subprocess.run([sys.executable, "-c", code], cwd=tmp, env=full_env, capture_output=True, text=True,
                           timeout=120)
 
@@ -189,7 +190,7 @@ def test_a_main_script_target_says_why_and_what_to_do(tmp_path: Path) -> None:
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD")}
     env.update(PYTHONPATH=str(ROOT), KVGUARD="raise", KVGUARD_TARGETS="__main__:fn(rd)")
-    result = subprocess.run([sys.executable, "-c", "import kvguard._startup as s; s.activate(); import runpy; "
+    result = subprocess.run([sys.executable, "-c", "import kvguard._activate.startup as s; s.activate(); import runpy; "
                              "runpy.run_path('job.py', run_name='__main__')"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout == "job done\n", result.stderr
@@ -209,7 +210,8 @@ def test_a_main_target_defined_before_late_activation_is_guarded() -> None:
         import torch
         def fn(rd):
             rd["kl"].add_(1)
-        from kvguard import _config, _importhook
+        from kvguard import _config
+        from kvguard._activate import importhook as _importhook
         from kvguard._state import STATE
         from kvguard._report.process import PROCESS
         _importhook.install(_config.parse_targets("__main__:fn(rd)"), "record")

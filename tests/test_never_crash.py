@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import kvguard
-from kvguard import _importhook
+from kvguard._activate import importhook as _importhook
 from kvguard._targets import Target
 
 

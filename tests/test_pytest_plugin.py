@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from kvguard._pytest_off import BLOCKED_HEADER
-from kvguard._pytest_plugin import ENV_NOTE
-from kvguard._pytest_plugin import header as plugin_header
+from kvguard._activate.pytest_off import BLOCKED_HEADER
+from kvguard._activate.pytest_plugin import ENV_NOTE
+from kvguard._activate.pytest_plugin import header as plugin_header
 
 pytest_plugins = ["pytester"]
 
@@ -26,10 +26,10 @@ pytest_plugins = ["pytester"]
 ENTRY_POINTS = {ep.name for dist in importlib.metadata.distributions() for ep in dist.entry_points
                 if ep.group == "pytest11"}
 INSTALLED = "kvguard" in ENTRY_POINTS
-LOAD = ("--disable-plugin-autoload", "-p", "kvguard" if INSTALLED else "kvguard._pytest_plugin")
+LOAD = ("--disable-plugin-autoload", "-p", "kvguard" if INSTALLED else "kvguard._activate.pytest_plugin")
 # `-p no:kvguard` with the second entry point (or its module, from a bare checkout) loaded.
 BLOCK = ("--disable-plugin-autoload", "-p", "no:kvguard",
-         "-p", "kvguard_off" if "kvguard_off" in ENTRY_POINTS else "kvguard._pytest_off")
+         "-p", "kvguard_off" if "kvguard_off" in ENTRY_POINTS else "kvguard._activate.pytest_off")
 
 CONFTEST = """
 import pytest, torch
@@ -150,7 +150,7 @@ def assert_output(result: pytest.RunResult, *fragments: str, absent: str = "\0")
 
 
 def test_importing_the_plugin_does_not_import_torch() -> None:
-    code = "import sys, kvguard._pytest_plugin; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, kvguard._activate.pytest_plugin; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -447,15 +447,15 @@ def test_blocked_plugin_lists_the_marker_and_the_ignored_option(pytester: pytest
 
 def test_the_second_entry_point_is_inert_next_to_the_plugin(project: pytest.Pytester) -> None:
     """Both loaded (as an installed kvguard always has them): no clash, the plugin decides."""
-    second = "kvguard_off" if "kvguard_off" in ENTRY_POINTS else "kvguard._pytest_off"
+    second = "kvguard_off" if "kvguard_off" in ENTRY_POINTS else "kvguard._activate.pytest_off"
     result = project.runpytest(*LOAD, "-p", second, "-k", "test_fixture and not clean and not two and not from")
     result.assert_outcomes(failed=1)
     assert_output(result, header("raise", "default"), absent=BLOCKED_HEADER)
 
 
 def test_the_plugin_loaded_by_its_module_name_wins_over_the_block(project: pytest.Pytester) -> None:
-    """`-p no:kvguard -p kvguard._pytest_plugin`: the plugin runs, the second entry point stays out."""
-    result = project.runpytest(*BLOCK, "-p", "kvguard._pytest_plugin", "-k", "marker_all")
+    """`-p no:kvguard -p kvguard._activate.pytest_plugin`: the plugin runs, the second entry point stays out."""
+    result = project.runpytest(*BLOCK, "-p", "kvguard._activate.pytest_plugin", "-k", "marker_all")
     result.assert_outcomes(failed=1)
     assert_output(result, header("raise", "default"), "x[0] would be modified in place", absent=BLOCKED_HEADER)
 

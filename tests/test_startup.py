@@ -215,3 +215,4 @@ def test_a_checkout_without_a_pth_is_silent_and_kvguard_run_is_the_fix(tmp_path:
     fixed = subprocess.run([str(python), "-m", "kvguard", "run", "--", str(python), "-c", code], cwd=DATA, env=env,
                            capture_output=True, text=True, timeout=300)
     assert fixed.returncode == 1 and "kvguard.MutationError: rollout_data['kl'][0] would be modified" in fixed.stderr
+

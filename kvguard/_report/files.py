@@ -28,7 +28,7 @@ from kvguard._errors import ConfigError
 from kvguard._text import say
 from kvguard._state import STATE
 from kvguard._report.process import PROCESS
-from kvguard._report.tally import Tally
+from kvguard._report.tally import Tally, TargetStats
 
 SCHEMA = 1  # raised when a field changes meaning or goes away; new fields keep it
 FILE_PREFIX = "kvguard-rank"
@@ -136,7 +136,7 @@ def open_writer(report_dir: Optional[str | os.PathLike[str]] = None, start: bool
     return writer
 
 
-def target_tallies(label: str) -> list[Any]:
+def target_tallies(label: str) -> list[TargetStats]:
     """The counts (`TargetStats`) of target or guard `label` for the process and its report directory."""
     writer = open_writer(start=False)
     return [PROCESS.target_stats(label)] + ([writer.tally.target(label)] if writer is not None else [])

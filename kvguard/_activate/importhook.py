@@ -20,11 +20,10 @@ from kvguard._config import Calls
 from kvguard._report.diagnostics import WALKED, first_hints
 from kvguard._guard.guard import Guard, guardable
 from kvguard._text import say
-from kvguard._report.files import open_writer
+from kvguard._report.files import target_tallies
 from kvguard._state import STATE
 from kvguard._report.process import PROCESS
 from kvguard._targets import Target
-from kvguard._report.tally import TargetStats
 
 _MARK = "__kvguard_target__"
 
@@ -99,14 +98,14 @@ def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: An
             return None
         if not guardable(value):  # said now, once, and at exit
             kind = _type_name(value)
-            for stats in _tallies(label):
+            for stats in target_tallies(label):
                 stats.unguardable[kind] = stats.unguardable.get(kind, 0) + 1
             if not said_unguardable:
                 said_unguardable.append(True)
                 say(unguardable_line(target, kind, arguments))
             return None
         if not calls.selects(number):  # KVGUARD_CALLS: counted in the summary
-            for stats in _tallies(label):
+            for stats in target_tallies(label):
                 stats.unguarded_calls += 1
             return None
         return Guard(value, name=target.argname, action=action, keys=keys, ignore=ignore, allow=allow,
@@ -121,7 +120,7 @@ def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: An
     rebound = _rebind_aliases(function, getattr(owner, attr), skip=owner)
     STATE.patched.append(str(target))
     STATE.undo.append(lambda: _restore(owner, attr, original, rebound))
-    _tallies(label)  # listed in the summaries, called or not
+    target_tallies(label)  # listed in the summaries, called or not
 
 
 
@@ -159,12 +158,6 @@ def _holds_tensor(value: Any) -> bool:
         return bool(leaves)
     except Exception:  # noqa: BLE001 - a container whose walk fails: not a suggestion
         return False
-
-
-def _tallies(label: str) -> list[TargetStats]:
-    """The target's counts for the process and, when report files are written, for its directory."""
-    writer = open_writer(start=False)
-    return [PROCESS.target_stats(label)] + ([writer.tally.target(label)] if writer is not None else [])
 
 
 def _type_name(value: Any) -> str:

@@ -82,7 +82,8 @@ def _start() -> None:
     if not settings.targets:
         say("kvguard: KVGUARD is on but KVGUARD_TARGETS names no function to guard")
         return
-    from kvguard import _importhook, _ranks
+    from kvguard import _ranks
+    from kvguard._activate import importhook as _importhook
 
     _ranks.run_id()  # exported now, so the processes this one starts share it (torchrun's workers)
     if settings.report_dir:

@@ -13,11 +13,11 @@ import sysconfig
 PTH_NAME = "kvguard.pth"
 START_NAME = "kvguard.start"
 PTH_LINE = (
-    "import os, sys; exec('try:\\n import kvguard._startup as m; m.activate()\\n"
+    "import os, sys; exec('try:\\n import kvguard._activate.startup as m; m.activate()\\n"
     "except Exception as e: sys.stderr.write(\"kvguard: not activated: %r\\\\n\" % (e,))')"
     " if os.environ.get('KVGUARD', '').strip() not in ('', '0') else None\n"
 )
-START_LINE = "kvguard._startup:activate\n"
+START_LINE = "kvguard._activate.startup:activate\n"
 
 
 def site_packages() -> str:

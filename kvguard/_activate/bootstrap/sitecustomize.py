@@ -10,9 +10,9 @@ import sys
 def _activate() -> None:
     """Switch kvguard on; a failure must not stop the job or the chained sitecustomize."""
     try:
-        import kvguard._startup
+        import kvguard._activate.startup
 
-        kvguard._startup.activate()
+        kvguard._activate.startup.activate()
     except Exception as exc:  # noqa: BLE001
         sys.stderr.write(f"kvguard: not activated: {exc}\n")
 

@@ -1,6 +1,6 @@
 """kvguard's second pytest entry point (`kvguard_off`): what a test that asks for checks gets when they are off.
 
-Loaded next to the plugin (`kvguard = kvguard._pytest_plugin`) in every pytest run where
+Loaded next to the plugin (`kvguard = kvguard._activate.pytest_plugin`) in every pytest run where
 kvguard is installed, and inert unless `-p no:kvguard` blocks that plugin. Then, instead
 of an unknown mark (an error under `--strict-markers`) and a missing fixture, it
 registers the `kvguard` marker, accepts `--kvguard` and `kvguard_action` (ignored), and
@@ -50,7 +50,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _plugin_blocked(pluginmanager: pytest.PytestPluginManager) -> bool:
     """`-p no:kvguard`, and the plugin module not loaded under another name either."""
-    module = sys.modules.get("kvguard._pytest_plugin")
+    module = sys.modules.get("kvguard._activate.pytest_plugin")
     loaded = module is not None and pluginmanager.is_registered(module)
     return pluginmanager.is_blocked(PLUGIN) and not loaded
 

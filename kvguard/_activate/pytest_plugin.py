@@ -34,7 +34,7 @@ end as well: a test that wants to look at writes without failing uses `kvguard.g
 itself. "off" is a switch, not a way to fail: `--kvguard=off` turns off every check,
 explicit `action=` included, and `action="off"` turns off that one test's.
 
-`-p no:kvguard` blocks this module; the second entry point, `kvguard._pytest_off`, then
+`-p no:kvguard` blocks this module; the second entry point, `kvguard._activate.pytest_off`, then
 keeps the marker and the fixture working as "off" and says so (see that module).
 
 Guards entered during the test call (the marker's, and `protect()` from the test body) are
@@ -53,7 +53,7 @@ import pytest
 
 from kvguard._config import OFF, parse_action
 from kvguard._errors import ConfigError, MutationError, MutationWarning
-from kvguard._pytest_off import MARKER_HELP, OffLedger
+from kvguard._activate.pytest_off import MARKER_HELP, OffLedger
 
 ACTION_HELP = ("What a kvguard guard does on an in-place write to a protected tensor: raise "
                "(fail the test at the write), record (fail at the end of the test with every "
@@ -87,7 +87,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvguard", "catch in-place writes to protected tensors")
     try:
         group.addoption("--kvguard", dest="kvguard", metavar="ACTION", default=None, help=ACTION_HELP)
-    except ValueError:  # `-p no:kvguard -p kvguard._pytest_off -p kvguard._pytest_plugin`: the same option
+    except ValueError:  # `-p no:kvguard -p kvguard._activate.pytest_off -p kvguard._activate.pytest_plugin`: the same option
         pass
     parser.addini("kvguard_action", INI_HELP, default=None)
 
@@ -101,7 +101,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if action == OFF:
         config.stash[_LEDGER] = ledger = OffLedger(f"action=off from {source}")
         config.pluginmanager.register(ledger, "kvguard-off-ledger")
-    from kvguard._startup import not_activated_hint
+    from kvguard._activate.startup import not_activated_hint
 
     hint = not_activated_hint()
     if hint:
