@@ -216,3 +216,33 @@ def test_a_checkout_without_a_pth_is_silent_and_kvguard_run_is_the_fix(tmp_path:
                            capture_output=True, text=True, timeout=300)
     assert fixed.returncode == 1 and "kvguard.MutationError: rollout_data['kl'][0] would be modified" in fixed.stderr
 
+
+# ── the names older installs call ──────────────────────────────────────────────────────────
+
+OLD_PTH_LINE = (  # what kvguard 0.2's `install-pth` wrote into site-packages, where it stays
+    "import os, sys; exec('try:\\n import kvguard._startup as m; m.activate()\\n"
+    "except Exception as e: sys.stderr.write(\"kvguard: not activated: %r\\\\n\" % (e,))')"
+    " if os.environ.get('KVGUARD', '').strip() not in ('', '0') else None\n"
+)
+
+
+def test_an_older_pth_line_still_activates(tmp_path: Path) -> None:
+    (tmp_path / "old.pth").write_text(OLD_PTH_LINE)
+    code = ("import site, sys; site.addsitedir(sys.argv[1]); import kvguard._state as s; "
+            "print(s.STATE.started, s.STATE.settings.action)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD")}
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env={**env, "KVGUARD": "warn"},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "warn"], result.stderr
+    assert "not activated" not in result.stderr
+
+
+@pytest.mark.parametrize("old, new", [("kvguard._pytest_plugin", "kvguard._activate.pytest_plugin"),
+                                      ("kvguard._pytest_off", "kvguard._activate.pytest_off")])
+def test_older_pytest_entry_points_load_the_same_plugin(old: str, new: str) -> None:
+    import importlib
+
+    shim, plugin = importlib.import_module(old), importlib.import_module(new)
+    hooks = [name for name in vars(plugin) if name.startswith("pytest_") or name == "mutation_guard"]
+    assert hooks and all(getattr(shim, name) is getattr(plugin, name) for name in hooks)
