@@ -198,7 +198,8 @@ class Span(NamedTuple):
 _STRIDED = torch.strided
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# Plain tensors: no subclass hooks, so their metadata and memory can be read directly.
+PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def plain_parts(t: torch.Tensor) -> list[torch.Tensor]:
@@ -207,7 +208,7 @@ def plain_parts(t: torch.Tensor) -> list[torch.Tensor]:
     A DTensor's local shard, a jagged nested tensor's values and offsets: the memory a
     write through `w.to_local()` or `njt.values()` really touches.
     """
-    if type(t) in _PLAIN or not hasattr(type(t), "__tensor_flatten__"):
+    if type(t) in PLAIN or not hasattr(type(t), "__tensor_flatten__"):
         return [t]
     try:
         names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
@@ -227,7 +228,7 @@ def spans(t: torch.Tensor) -> list[Span]:
     they would take in that storage (`meta_span`), so `m[0].add_(1)` writes `m`.
     """
     try:
-        if type(t) not in _PLAIN:
+        if type(t) not in PLAIN:
             parts = plain_parts(t)
             if len(parts) != 1 or parts[0] is not t:  # (`!=` on lists would compare tensors)
                 return [s for part in parts for s in spans(part)]

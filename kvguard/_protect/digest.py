@@ -27,7 +27,6 @@ except ImportError:  # pragma: no cover - exercised by forcing the fallback in t
 
 Digest = Any  # int (CPU), a 0-d int64 tensor (other devices), a tuple (sparse), or None
 CHUNK = 1 << 20  # elements per step of the torch fallback: bounds its temporaries
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _K1, _K2 = 0x5851F42D4C957F2D, 0x14057B7EF767814F  # odd int64 multipliers
@@ -44,7 +43,7 @@ def digests(tensors: Sequence[Optional[torch.Tensor]]) -> list[Digest]:
     specs: list[tuple[Any, ...]] = []
     for i, tensor in enumerate(tensors):
         try:
-            if (_digest_c is not None and type(tensor) in _PLAIN and tensor.is_cpu  # type: ignore[union-attr]
+            if (_digest_c is not None and type(tensor) in _torch.PLAIN and tensor.is_cpu  # type: ignore[union-attr]
                     and tensor.layout is _STRIDED and not tensor.is_nested  # type: ignore[union-attr]
                     and not tensor.is_quantized):  # type: ignore[union-attr]
                 # The common case, inlined: this loop runs once per protected tensor.

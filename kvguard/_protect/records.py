@@ -29,7 +29,6 @@ from kvguard._protect import digest as _digest
 # write hooks' inference-mode kernels see (`_hooks`).
 Record = tuple[Any, ...]
 LAYOUT, IMPL, DEVICE, START, STOP, DENSE, DIGEST, INFERENCE = range(8)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def compiled_describe() -> Optional[ModuleType]:
@@ -45,7 +44,7 @@ def describe(tensors: Sequence[torch.Tensor], digest: bool, compiled: Optional[M
     found: list[Any] = [None] * len(tensors)
     if compiled is not None:
         try:
-            found = compiled.describe(list(tensors), _PLAIN, digest)
+            found = compiled.describe(list(tensors), _torch.PLAIN, digest)
         except Exception:  # noqa: BLE001 - Python reads them all instead
             found = [None] * len(tensors)
     pending: list[int] = []  # digests Python takes: other devices, and what C++ left to it
