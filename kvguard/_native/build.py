@@ -34,7 +34,8 @@ from types import ModuleType
 from typing import Optional
 
 MODULE_NAME = "kvguard._native.write_hook"
-SOURCE = Path(__file__).parent / "csrc" / "write_hook.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "write_hook.cpp"  # the translation unit
+HEADERS = tuple(SOURCE.with_name(name) for name in ("describe.h", "python_api.h"))  # it includes
 # Bump when the compile command below changes, so caches built the old way are not reused.
 _RECIPE = "1"
 _COMPILE_TIMEOUT_S = 900.0
@@ -75,7 +76,8 @@ def build_dir() -> Path:
     import torch
 
     git = (getattr(torch.version, "git_version", None) or "unknown")[:12]
-    digest = hashlib.sha256(SOURCE.read_bytes() + b"\0recipe " + _RECIPE.encode()).hexdigest()[:12]
+    sources = b"".join(path.read_bytes() + b"\0" for path in (SOURCE, *HEADERS))
+    digest = hashlib.sha256(sources + b"recipe " + _RECIPE.encode()).hexdigest()[:12]
     parts = (f"torch{torch.__version__}", git, _python_tag(), sysconfig.get_platform(), digest)
     return cache_root() / _safe("-".join(parts))
 
@@ -110,8 +112,9 @@ def _unsupported() -> Optional[str]:
 
     if not hasattr(torch.library, "get_kernel"):
         return f"torch {torch.__version__} lacks the computed-kernel API (needs torch >= 2.9)"
-    if not SOURCE.is_file():
-        return f"the source {SOURCE} is missing from the installed package"
+    for path in (SOURCE, *HEADERS):
+        if not path.is_file():
+            return f"the source {path} is missing from the installed package"
     return None
 
 

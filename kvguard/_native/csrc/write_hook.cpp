@@ -47,7 +47,8 @@
 //  - The binary uses torch's unstable C++ API: it must be built for this torch version,
 //    this CPython version and this platform (kvguard/_native/build.py keys its cache on all three).
 //
-// Build: see kvguard/_native/build.py (one translation unit, the compiler called directly).
+// Build: see kvguard/_native/build.py (one translation unit: this file and the headers beside
+// it, describe.h and python_api.h; the compiler called directly).
 
 #include <Python.h>
 
@@ -73,6 +74,9 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "describe.h"    // py_describe: what the protected set records of a batch of tensors
+#include "python_api.h"  // borrowed_api, KVGUARD_TRY / KVGUARD_CATCH
 
 namespace {
 
@@ -209,23 +213,6 @@ struct SpeedupsApi {
   int version;
   int (*same_values)(PyObject* containers, PyObject* held);
 };
-
-// The functions a kvguard C helper lends through its `_api` capsule (version 1), imported
-// once; nullptr when the helper did not build. With the GIL.
-template <class Api>
-const Api* borrowed_api(const char* capsule) {
-  static const Api* api = nullptr;
-  static bool tried = false;
-  if (!tried) {
-    tried = true;
-    api = static_cast<const Api*>(PyCapsule_Import(capsule, 0));
-    if (api == nullptr || api->version != 1) {
-      PyErr_Clear();
-      api = nullptr;
-    }
-  }
-  return api;
-}
 
 const SpeedupsApi* speedups_api() { return borrowed_api<SpeedupsApi>("kvguard._native.speedups._api"); }
 
@@ -523,18 +510,6 @@ std::string display_name(const c10::OperatorName& name) {
 }
 
 // ---- the Python API ----------------------------------------------------------------------
-
-#define KVGUARD_TRY try {
-#define KVGUARD_CATCH                                     \
-  }                                                       \
-  catch (python_error & e) {                              \
-    e.restore();                                          \
-    return nullptr;                                       \
-  }                                                       \
-  catch (const std::exception& e) {                       \
-    PyErr_SetString(PyExc_RuntimeError, e.what());        \
-    return nullptr;                                       \
-  }
 
 // Writes that schemas do not declare, from Python (kvguard._torch holds the tables).
 struct UndeclaredRule {
@@ -908,64 +883,52 @@ bool read_address(PyObject* obj, uintptr_t* out, const char* what) {
   return true;
 }
 
-PyObject* py_set_intervals(PyObject*, PyObject* arg) {
-  KVGUARD_TRY
-  PyObject* seq = PySequence_Fast(arg, "set_intervals: expected a list of (start, stop) pairs");
-  if (seq == nullptr) return nullptr;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  auto intervals = std::make_shared<Intervals>();
-  intervals->reserve((size_t)n);
-  uintptr_t prev_stop = 0;
-  bool have_prev = false;
-  for (Py_ssize_t i = 0; i < n; ++i) {
+// Reads a sequence of (start, stop) pairs (tuples or lists of two addresses) into `out`,
+// leaving out empty ones. `sorted`: they must be sorted and disjoint, each with start <= stop
+// (a ValueError otherwise); else any order and any overlap.
+bool read_pairs(PyObject* arg, Intervals* out, const char* what, bool sorted) {
+  PyObject* seq = PySequence_Fast(arg, "");
+  if (seq == nullptr) {
+    PyErr_Format(PyExc_TypeError, "%s: expected a list of (start, stop) pairs", what);
+    return false;
+  }
+  out->reserve(out->size() + (size_t)PySequence_Fast_GET_SIZE(seq));
+  bool ok = true;
+  for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(seq); ++i) {
     PyObject* item = PySequence_Fast_GET_ITEM(seq, i);
-    if (!PyTuple_Check(item) && !PyList_Check(item)) {
-      PyErr_Format(PyExc_TypeError,
-                   "set_intervals: item %zd is a %.100s, expected a (start, stop) pair", i,
-                   Py_TYPE(item)->tp_name);
-      Py_DECREF(seq);
-      return nullptr;
-    }
-    PyObject* pair = PySequence_Fast(item, "");
-    if (pair == nullptr) {
-      Py_DECREF(seq);
-      return nullptr;
-    }
+    PyObject* pair = PyTuple_Check(item) || PyList_Check(item) ? PySequence_Fast(item, "") : nullptr;
     uintptr_t start = 0, stop = 0;
-    bool ok = PySequence_Fast_GET_SIZE(pair) == 2;
-    if (!ok) {
-      PyErr_Format(PyExc_TypeError, "set_intervals: item %zd has %zd elements, expected 2", i,
-                   PySequence_Fast_GET_SIZE(pair));
+    ok = pair != nullptr && PySequence_Fast_GET_SIZE(pair) == 2;
+    if (!ok && !PyErr_Occurred()) {
+      PyErr_Format(PyExc_TypeError, "%s: item %zd is a %.100s, expected a (start, stop) pair", what, i,
+                   Py_TYPE(item)->tp_name);
     }
-    ok = ok && read_address(PySequence_Fast_GET_ITEM(pair, 0), &start, "set_intervals") &&
-        read_address(PySequence_Fast_GET_ITEM(pair, 1), &stop, "set_intervals");
-    Py_DECREF(pair);
-    if (ok && start > stop) {
-      PyErr_Format(PyExc_ValueError, "set_intervals: item %zd has start > stop", i);
+    ok = ok && read_address(PySequence_Fast_GET_ITEM(pair, 0), &start, what) &&
+        read_address(PySequence_Fast_GET_ITEM(pair, 1), &stop, what);
+    Py_XDECREF(pair);
+    if (ok && sorted && start > stop) {
+      PyErr_Format(PyExc_ValueError, "%s: item %zd has start > stop", what, i);
       ok = false;
-    }
-    if (ok && have_prev && start < prev_stop) {
+    } else if (ok && sorted && !out->empty() && start < out->back().second) {
       PyErr_Format(PyExc_ValueError,
-                   "set_intervals: item %zd starts before the previous one stops; intervals "
-                   "must be sorted and disjoint",
-                   i);
+                   "%s: item %zd starts before the previous one stops; intervals must be sorted and disjoint",
+                   what, i);
       ok = false;
     }
-    if (!ok) {
-      Py_DECREF(seq);
-      return nullptr;
-    }
-    if (start < stop) {  // an empty interval overlaps nothing
-      intervals->emplace_back(start, stop);
-      prev_stop = stop;
-      have_prev = true;
-    }
+    if (ok && start < stop) out->emplace_back(start, stop);  // an empty interval overlaps nothing
   }
   Py_DECREF(seq);
+  return ok;
+}
+
+PyObject* py_set_intervals(PyObject*, PyObject* arg) {
+  KVGUARD_TRY
+  Intervals intervals;
+  if (!read_pairs(arg, &intervals, "set_intervals", /*sorted=*/true)) return nullptr;
   // Updates come from Python with the GIL held, so they never race each other.
   auto next = std::make_shared<Protected>();
   if (auto current = std::atomic_load(&g_protected)) next->identities = current->identities;
-  next->intervals = std::move(*intervals);
+  next->intervals = std::move(intervals);
   std::shared_ptr<const Protected> frozen = std::move(next);
   std::atomic_store(&g_protected, std::move(frozen));
   Py_RETURN_NONE;
@@ -993,26 +956,6 @@ bool read_addresses(PyObject* arg, std::vector<uintptr_t>* out, const char* what
   return true;
 }
 
-// Reads a sequence of (start, stop) pairs (any order, any overlap) into `out`.
-bool read_pairs(PyObject* arg, Intervals* out, const char* what) {
-  PyObject* seq = PySequence_Fast(arg, "expected a list of (start, stop) pairs");
-  if (seq == nullptr) return false;
-  bool ok = true;
-  for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(seq); ++i) {
-    PyObject* pair = PySequence_Fast(PySequence_Fast_GET_ITEM(seq, i), "expected a (start, stop) pair");
-    uintptr_t start = 0, stop = 0;
-    ok = pair != nullptr && PySequence_Fast_GET_SIZE(pair) == 2 &&
-        read_address(PySequence_Fast_GET_ITEM(pair, 0), &start, what) &&
-        read_address(PySequence_Fast_GET_ITEM(pair, 1), &stop, what);
-    if (pair != nullptr && PySequence_Fast_GET_SIZE(pair) != 2)
-      PyErr_Format(PyExc_TypeError, "%s: item %zd is not a (start, stop) pair", what, i);
-    Py_XDECREF(pair);
-    if (ok && start < stop) out->emplace_back(start, stop);
-  }
-  Py_DECREF(seq);
-  return ok;
-}
-
 // add_protected(intervals, identities, replace=False): the protected set grew (merged into
 // what is published in one pass over it, so a placement costs far less than publishing it
 // all), or is this (`replace`: sorted and merged here, published at once).
@@ -1024,7 +967,7 @@ PyObject* py_add_protected(PyObject*, PyObject* args) {
     return nullptr;
   }
   Intervals added;
-  if (!read_pairs(intervals_arg, &added, "add_protected")) return nullptr;
+  if (!read_pairs(intervals_arg, &added, "add_protected", /*sorted=*/false)) return nullptr;
   std::vector<uintptr_t> more;
   if (!read_addresses(identities_arg, &more, "add_protected")) return nullptr;
   std::sort(added.begin(), added.end());
@@ -1124,206 +1067,6 @@ PyObject* py_writes(PyObject*, PyObject*) {
   return PyLong_FromUnsignedLongLong(g_writes.load(std::memory_order_relaxed));
 }
 
-
-// ---- describing protected tensors -------------------------------------------------------
-// What kvguard's protected set records of each tensor when it starts protecting it and
-// compares at the boundaries: which bytes its elements span, a hash of its identity and
-// layout (a re-pointed or reshaped tensor gets another), and a digest of its values. One
-// call for a whole batch: per tensor it costs a few metadata reads instead of a dozen
-// Python calls. The digest is the one kvguard._native.digest computes (through its capsule), so
-// digests taken here and there agree.
-
-struct DigestApi {
-  int version;
-  int max_dims;
-  uint64_t (*digest_strided)(const unsigned char*, Py_ssize_t, int, const Py_ssize_t*,
-                             const Py_ssize_t*);
-};
-
-const DigestApi* digest_api() { return borrowed_api<DigestApi>("kvguard._native.digest._api"); }
-
-inline uint64_t mix64(uint64_t h, uint64_t v) {  // splitmix64 over a running hash
-  h ^= v + 0x9E3779B97F4A7C15ULL + (h << 6) + (h >> 2);
-  h ^= h >> 30;
-  h *= 0xBF58476D1CE4E5B9ULL;
-  h ^= h >> 27;
-  h *= 0x94D049BB133111EBULL;
-  return h ^ (h >> 31);
-}
-
-struct Described {
-  bool plain = false;  // false: Python describes it (a subclass, sparse, nested, meta, ...)
-  uint64_t layout = 0, impl = 0;
-  uintptr_t start = 0, stop = 0;  // both 0: no element memory (empty, or no data yet)
-  bool dense = true;
-  bool inference = false;  // an inference tensor (made inside torch.inference_mode())
-  c10::Device device{c10::kCPU};
-  // The digest: read on the host (CPU tensors inside their storage), left to Python's
-  // torch-op digest (other devices), or none (elements outside the storage).
-  enum { kNone, kHost, kDevice } digest_kind = kNone;
-  const unsigned char* data = nullptr;
-  Py_ssize_t itemsize = 0;
-  std::vector<Py_ssize_t> sizes, strides;
-  uint64_t digest = 0;
-};
-
-void describe_one(PyObject* obj, Described& d, bool want_digest, int max_dims) {
-  const at::Tensor& t = THPVariable_Unpack(obj);
-  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  if (impl->layout() != c10::kStrided || impl->is_nested() || t.is_quantized() ||
-      !impl->has_storage() || impl->device_type() == c10::DeviceType::Meta ||
-      impl->has_symbolic_sizes_strides()) {
-    return;  // plain stays false
-  }
-  const c10::Storage& storage = impl->storage();
-  const auto* base = static_cast<const unsigned char*>(storage.data());  // never materializes COW
-  const int64_t offset = impl->storage_offset();
-  const int64_t itemsize = static_cast<int64_t>(impl->itemsize());
-  const auto sizes = impl->sizes();
-  const auto strides = impl->strides();
-  int64_t numel = 1, reach = 0;
-  for (size_t k = 0; k < sizes.size(); ++k) {
-    if (sizes[k] < 0 || strides[k] < 0) return;
-    numel *= sizes[k];
-    reach += (sizes[k] > 0 ? sizes[k] - 1 : 0) * strides[k];
-  }
-  d.plain = true;
-  d.inference = impl->is_inference();
-  d.impl = reinterpret_cast<uintptr_t>(impl);
-  d.device = impl->device();
-  // As `t.data_ptr()` reads it (a storage freed with resize_(0) has a null base): no element
-  // memory only when that is null, as kvguard._torch.spans decides.
-  const uintptr_t first = reinterpret_cast<uintptr_t>(base) + (uintptr_t)(offset * itemsize);
-  if (first != 0 && numel > 0) {
-    d.start = first;
-    d.stop = first + (uintptr_t)((reach + 1) * itemsize);
-  }
-  // Dense: the elements tile their span (dims by ascending stride, each stepping exactly
-  // over the ones inside it), as kvguard._torch.is_dense decides.
-  if (!impl->is_contiguous()) {
-    std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of dims of size != 1
-    for (size_t k = 0; k < sizes.size(); ++k)
-      if (sizes[k] != 1) dims.emplace_back(strides[k], sizes[k]);
-    std::stable_sort(dims.begin(), dims.end(),
-                     [](const auto& a, const auto& b) { return a.first < b.first; });
-    int64_t expected = 1;
-    for (const auto& [stride, size] : dims) {
-      if (stride != expected) {
-        d.dense = false;
-        break;
-      }
-      expected *= size;
-    }
-  }
-  uint64_t h = mix64(0x6B76677561726431ULL, d.impl);
-  h = mix64(h, reinterpret_cast<uintptr_t>(base));
-  h = mix64(h, (uint64_t)offset);
-  h = mix64(h, (uint64_t)static_cast<int>(impl->dtype().toScalarType()));
-  h = mix64(h, (uint64_t)static_cast<int>(d.device.type()) * 65536 + (uint64_t)(d.device.index() + 1));
-  h = mix64(h, sizes.size());
-  for (size_t k = 0; k < sizes.size(); ++k) h = mix64(mix64(h, (uint64_t)sizes[k]), (uint64_t)strides[k]);
-  d.layout = h;
-  if (!want_digest) return;
-  if (d.device.type() != c10::DeviceType::CPU) {
-    d.digest_kind = Described::kDevice;
-    return;
-  }
-  const bool inside = numel == 0 ||
-      (base != nullptr && offset >= 0 && (offset + reach + 1) * itemsize <= (int64_t)storage.nbytes());
-  if (!inside || (int)sizes.size() > max_dims) return;
-  d.digest_kind = Described::kHost;
-  d.data = base == nullptr ? nullptr : base + offset * itemsize;
-  d.itemsize = (Py_ssize_t)itemsize;
-  d.sizes.assign(sizes.begin(), sizes.end());
-  d.strides.assign(strides.begin(), strides.end());
-}
-
-// describe(tensors, plain_types, digest) -> list, one item per tensor: None when Python
-// must describe it (not one of `plain_types` exactly, or not plain strided memory), else
-// (layout, impl, device, start, stop, dense, digest, inference): `layout` an int that changes when the
-// tensor is re-pointed or its layout changes, `impl` its TensorImpl address (`_cdata`),
-// `device` a torch.device, [start, stop) the bytes its elements span ((0, 0) for none),
-// `dense` whether the elements tile that span, and `digest` an int (CPU), None (nothing
-// readable, or `digest` false) or NotImplemented (another device: Python digests it there);
-// `inference` whether it is an inference tensor.
-PyObject* py_describe(PyObject*, PyObject* args) {
-  KVGUARD_TRY
-  PyObject *tensors = nullptr, *plain_types = nullptr;
-  int want_digest = 1;
-  if (!PyArg_ParseTuple(args, "O!O!p", &PyList_Type, &tensors, &PyTuple_Type, &plain_types,
-                        &want_digest)) {
-    return nullptr;
-  }
-  const DigestApi* api = want_digest ? digest_api() : nullptr;
-  const int max_dims = api == nullptr ? 0 : api->max_dims;
-  const Py_ssize_t n = PyList_GET_SIZE(tensors);
-  const Py_ssize_t ntypes = PyTuple_GET_SIZE(plain_types);
-  std::vector<Described> found((size_t)n);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* obj = PyList_GET_ITEM(tensors, i);
-    bool plain = false;
-    for (Py_ssize_t k = 0; k < ntypes && !plain; ++k)
-      plain = (PyObject*)Py_TYPE(obj) == PyTuple_GET_ITEM(plain_types, k);
-    if (!plain || !THPVariable_Check(obj)) continue;
-    try {
-      describe_one(obj, found[(size_t)i], want_digest != 0, max_dims);
-    } catch (...) {
-      found[(size_t)i] = Described();  // Python describes it, and copes with what threw
-    }
-    if (api == nullptr && found[(size_t)i].digest_kind == Described::kHost)
-      found[(size_t)i].digest_kind = Described::kDevice;  // no C digest here: Python's
-  }
-  Py_BEGIN_ALLOW_THREADS  // the tensors stay alive: `tensors` holds them
-  for (Described& d : found) {
-    if (d.digest_kind == Described::kHost)
-      d.digest = api->digest_strided(d.data, d.itemsize, (int)d.sizes.size(), d.sizes.data(),
-                                     d.strides.data());
-  }
-  Py_END_ALLOW_THREADS
-  PyObject* out = PyList_New(n);
-  if (out == nullptr) return nullptr;
-  std::vector<std::pair<c10::Device, PyObject*>> devices;  // one torch.device per device
-  auto device_object = [&](c10::Device device) -> PyObject* {
-    for (auto& [known, object] : devices)
-      if (known == device) return Py_NewRef(object);
-    PyObject* object = THPDevice_New(device);
-    if (object != nullptr) devices.emplace_back(device, object);
-    return Py_XNewRef(object);
-  };
-  bool failed = false;
-  for (Py_ssize_t i = 0; i < n && !failed; ++i) {
-    const Described& d = found[(size_t)i];
-    PyObject* item = nullptr;
-    if (!d.plain) {
-      item = Py_NewRef(Py_None);
-    } else {
-      PyObject* digest = d.digest_kind == Described::kHost ? PyLong_FromUnsignedLongLong(d.digest)
-          : d.digest_kind == Described::kDevice ? Py_NewRef(Py_NotImplemented)
-          : Py_NewRef(Py_None);
-      PyObject* device = device_object(d.device);
-      item = digest == nullptr || device == nullptr ? nullptr
-          : Py_BuildValue("(KKNKKONO)", (unsigned long long)d.layout, (unsigned long long)d.impl,
-                          device, (unsigned long long)d.start, (unsigned long long)d.stop,
-                          d.dense ? Py_True : Py_False, digest, d.inference ? Py_True : Py_False);
-      if (item == nullptr) {
-        Py_XDECREF(digest);
-        Py_XDECREF(device);
-      }
-    }
-    if (item == nullptr) {
-      failed = true;
-    } else {
-      PyList_SET_ITEM(out, i, item);
-    }
-  }
-  for (auto& [known, object] : devices) Py_DECREF(object);
-  if (failed) {
-    Py_DECREF(out);
-    return nullptr;
-  }
-  return out;
-  KVGUARD_CATCH
-}
 
 PyMethodDef methods[] = {
     {"install", (PyCFunction)(void (*)(void))py_install, METH_VARARGS | METH_KEYWORDS,

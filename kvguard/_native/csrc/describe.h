@@ -1,0 +1,220 @@
+// describe(): what kvguard's protected set records of a batch of tensors, in one pass.
+// Part of the one translation unit write_hook.cpp (see kvguard/_native/build.py).
+#pragma once
+
+#include <Python.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/Device.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include "python_api.h"
+
+namespace {
+
+// ---- describing protected tensors -------------------------------------------------------
+// What kvguard's protected set records of each tensor when it starts protecting it and
+// compares at the boundaries: which bytes its elements span, a hash of its identity and
+// layout (a re-pointed or reshaped tensor gets another), and a digest of its values. One
+// call for a whole batch: per tensor it costs a few metadata reads instead of a dozen
+// Python calls. The digest is the one kvguard._native.digest computes (through its capsule), so
+// digests taken here and there agree.
+
+struct DigestApi {
+  int version;
+  int max_dims;
+  uint64_t (*digest_strided)(const unsigned char*, Py_ssize_t, int, const Py_ssize_t*,
+                             const Py_ssize_t*);
+};
+
+const DigestApi* digest_api() { return borrowed_api<DigestApi>("kvguard._native.digest._api"); }
+
+inline uint64_t mix64(uint64_t h, uint64_t v) {  // splitmix64 over a running hash
+  h ^= v + 0x9E3779B97F4A7C15ULL + (h << 6) + (h >> 2);
+  h ^= h >> 30;
+  h *= 0xBF58476D1CE4E5B9ULL;
+  h ^= h >> 27;
+  h *= 0x94D049BB133111EBULL;
+  return h ^ (h >> 31);
+}
+
+struct Described {
+  bool plain = false;  // false: Python describes it (a subclass, sparse, nested, meta, ...)
+  uint64_t layout = 0, impl = 0;
+  uintptr_t start = 0, stop = 0;  // both 0: no element memory (empty, or no data yet)
+  bool dense = true;
+  bool inference = false;  // an inference tensor (made inside torch.inference_mode())
+  c10::Device device{c10::kCPU};
+  // The digest: read on the host (CPU tensors inside their storage), left to Python's
+  // torch-op digest (other devices), or none (elements outside the storage).
+  enum { kNone, kHost, kDevice } digest_kind = kNone;
+  const unsigned char* data = nullptr;
+  Py_ssize_t itemsize = 0;
+  std::vector<Py_ssize_t> sizes, strides;
+  uint64_t digest = 0;
+};
+
+void describe_one(PyObject* obj, Described& d, bool want_digest, int max_dims) {
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (impl->layout() != c10::kStrided || impl->is_nested() || t.is_quantized() ||
+      !impl->has_storage() || impl->device_type() == c10::DeviceType::Meta ||
+      impl->has_symbolic_sizes_strides()) {
+    return;  // plain stays false
+  }
+  const c10::Storage& storage = impl->storage();
+  const auto* base = static_cast<const unsigned char*>(storage.data());  // never materializes COW
+  const int64_t offset = impl->storage_offset();
+  const int64_t itemsize = static_cast<int64_t>(impl->itemsize());
+  const auto sizes = impl->sizes();
+  const auto strides = impl->strides();
+  int64_t numel = 1, reach = 0;
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    if (sizes[k] < 0 || strides[k] < 0) return;
+    numel *= sizes[k];
+    reach += (sizes[k] > 0 ? sizes[k] - 1 : 0) * strides[k];
+  }
+  d.plain = true;
+  d.inference = impl->is_inference();
+  d.impl = reinterpret_cast<uintptr_t>(impl);
+  d.device = impl->device();
+  // As `t.data_ptr()` reads it (a storage freed with resize_(0) has a null base): no element
+  // memory only when that is null, as kvguard._torch.spans decides.
+  const uintptr_t first = reinterpret_cast<uintptr_t>(base) + (uintptr_t)(offset * itemsize);
+  if (first != 0 && numel > 0) {
+    d.start = first;
+    d.stop = first + (uintptr_t)((reach + 1) * itemsize);
+  }
+  // Dense: the elements tile their span (dims by ascending stride, each stepping exactly
+  // over the ones inside it), as kvguard._torch.is_dense decides.
+  if (!impl->is_contiguous()) {
+    std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of dims of size != 1
+    for (size_t k = 0; k < sizes.size(); ++k)
+      if (sizes[k] != 1) dims.emplace_back(strides[k], sizes[k]);
+    std::stable_sort(dims.begin(), dims.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    int64_t expected = 1;
+    for (const auto& [stride, size] : dims) {
+      if (stride != expected) {
+        d.dense = false;
+        break;
+      }
+      expected *= size;
+    }
+  }
+  uint64_t h = mix64(0x6B76677561726431ULL, d.impl);
+  h = mix64(h, reinterpret_cast<uintptr_t>(base));
+  h = mix64(h, (uint64_t)offset);
+  h = mix64(h, (uint64_t)static_cast<int>(impl->dtype().toScalarType()));
+  h = mix64(h, (uint64_t)static_cast<int>(d.device.type()) * 65536 + (uint64_t)(d.device.index() + 1));
+  h = mix64(h, sizes.size());
+  for (size_t k = 0; k < sizes.size(); ++k) h = mix64(mix64(h, (uint64_t)sizes[k]), (uint64_t)strides[k]);
+  d.layout = h;
+  if (!want_digest) return;
+  if (d.device.type() != c10::DeviceType::CPU) {
+    d.digest_kind = Described::kDevice;
+    return;
+  }
+  const bool inside = numel == 0 ||
+      (base != nullptr && offset >= 0 && (offset + reach + 1) * itemsize <= (int64_t)storage.nbytes());
+  if (!inside || (int)sizes.size() > max_dims) return;
+  d.digest_kind = Described::kHost;
+  d.data = base == nullptr ? nullptr : base + offset * itemsize;
+  d.itemsize = (Py_ssize_t)itemsize;
+  d.sizes.assign(sizes.begin(), sizes.end());
+  d.strides.assign(strides.begin(), strides.end());
+}
+
+// describe(tensors, plain_types, digest) -> list, one item per tensor: None when Python
+// must describe it (not one of `plain_types` exactly, or not plain strided memory), else
+// (layout, impl, device, start, stop, dense, digest, inference): `layout` an int that changes when the
+// tensor is re-pointed or its layout changes, `impl` its TensorImpl address (`_cdata`),
+// `device` a torch.device, [start, stop) the bytes its elements span ((0, 0) for none),
+// `dense` whether the elements tile that span, and `digest` an int (CPU), None (nothing
+// readable, or `digest` false) or NotImplemented (another device: Python digests it there);
+// `inference` whether it is an inference tensor.
+PyObject* py_describe(PyObject*, PyObject* args) {
+  KVGUARD_TRY
+  PyObject *tensors = nullptr, *plain_types = nullptr;
+  int want_digest = 1;
+  if (!PyArg_ParseTuple(args, "O!O!p", &PyList_Type, &tensors, &PyTuple_Type, &plain_types,
+                        &want_digest)) {
+    return nullptr;
+  }
+  const DigestApi* api = want_digest ? digest_api() : nullptr;
+  const int max_dims = api == nullptr ? 0 : api->max_dims;
+  const Py_ssize_t n = PyList_GET_SIZE(tensors);
+  const Py_ssize_t ntypes = PyTuple_GET_SIZE(plain_types);
+  std::vector<Described> found((size_t)n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* obj = PyList_GET_ITEM(tensors, i);
+    bool plain = false;
+    for (Py_ssize_t k = 0; k < ntypes && !plain; ++k)
+      plain = (PyObject*)Py_TYPE(obj) == PyTuple_GET_ITEM(plain_types, k);
+    if (!plain || !THPVariable_Check(obj)) continue;
+    try {
+      describe_one(obj, found[(size_t)i], want_digest != 0, max_dims);
+    } catch (...) {
+      found[(size_t)i] = Described();  // Python describes it, and copes with what threw
+    }
+    if (api == nullptr && found[(size_t)i].digest_kind == Described::kHost)
+      found[(size_t)i].digest_kind = Described::kDevice;  // no C digest here: Python's
+  }
+  Py_BEGIN_ALLOW_THREADS  // the tensors stay alive: `tensors` holds them
+  for (Described& d : found) {
+    if (d.digest_kind == Described::kHost)
+      d.digest = api->digest_strided(d.data, d.itemsize, (int)d.sizes.size(), d.sizes.data(),
+                                     d.strides.data());
+  }
+  Py_END_ALLOW_THREADS
+  PyObject* out = PyList_New(n);
+  if (out == nullptr) return nullptr;
+  std::vector<std::pair<c10::Device, PyObject*>> devices;  // one torch.device per device
+  auto device_object = [&](c10::Device device) -> PyObject* {
+    for (auto& [known, object] : devices)
+      if (known == device) return Py_NewRef(object);
+    PyObject* object = THPDevice_New(device);
+    if (object != nullptr) devices.emplace_back(device, object);
+    return Py_XNewRef(object);
+  };
+  bool failed = false;
+  for (Py_ssize_t i = 0; i < n && !failed; ++i) {
+    const Described& d = found[(size_t)i];
+    PyObject* item = nullptr;
+    if (!d.plain) {
+      item = Py_NewRef(Py_None);
+    } else {
+      PyObject* digest = d.digest_kind == Described::kHost ? PyLong_FromUnsignedLongLong(d.digest)
+          : d.digest_kind == Described::kDevice ? Py_NewRef(Py_NotImplemented)
+          : Py_NewRef(Py_None);
+      PyObject* device = device_object(d.device);
+      item = digest == nullptr || device == nullptr ? nullptr
+          : Py_BuildValue("(KKNKKONO)", (unsigned long long)d.layout, (unsigned long long)d.impl,
+                          device, (unsigned long long)d.start, (unsigned long long)d.stop,
+                          d.dense ? Py_True : Py_False, digest, d.inference ? Py_True : Py_False);
+      if (item == nullptr) {
+        Py_XDECREF(digest);
+        Py_XDECREF(device);
+      }
+    }
+    if (item == nullptr) {
+      failed = true;
+    } else {
+      PyList_SET_ITEM(out, i, item);
+    }
+  }
+  for (auto& [known, object] : devices) Py_DECREF(object);
+  if (failed) {
+    Py_DECREF(out);
+    return nullptr;
+  }
+  return out;
+  KVGUARD_CATCH
+}
+
+}  // namespace
