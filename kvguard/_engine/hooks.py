@@ -26,7 +26,7 @@ from kvguard._protect import records as _records
 from kvguard._engine.backend import Backend
 from kvguard._engine.judge import After, WriteJudge, judge_all
 from kvguard._engine.mode import thread_judges
-from kvguard._protect.protected import collector_paused
+from kvguard._protect.collector import collector_paused
 
 
 # op name as the backend spells it ("aten::mul_.Tensor") -> its OpOverload

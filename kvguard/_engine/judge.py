@@ -18,7 +18,8 @@ from kvguard._engine import diff as _diff
 from kvguard._protect import frames as _frames
 from kvguard._errors import MutationError
 from kvguard._report.events import MutationEvent
-from kvguard._protect.protected import Change, Entry, ProtectedSet
+from kvguard._protect.entries import Change, Entry
+from kvguard._protect.protected import ProtectedSet
 
 FREED_DIFF = "values not compared (the tensor was freed before they could be read)"
 UNOBSERVED_DIFF = ("values changed with no dispatched write: a numpy view, a raw pointer, another thread or "

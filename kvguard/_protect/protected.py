@@ -8,52 +8,21 @@ next look, and a tensor placed into it is protected from that moment on.
 
 from __future__ import annotations
 
-import bisect
-import gc
 import sys
 import types
 import weakref
-from typing import Any, Callable, Collection, Iterator, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
 
-from kvguard import _torch
 from kvguard._protect import digest as _digest
 from kvguard._protect import frames as _frames
 from kvguard._protect import records as _records
 from kvguard._protect import tree as _tree
+from kvguard._protect.collector import collector_paused
+from kvguard._protect.entries import Change, Entry, StrongRef
+from kvguard._protect.index import MemoryIndex
 from kvguard._protect.records import DIGEST, IMPL, LAYOUT
-
-
-class Change(NamedTuple):
-    """What a boundary check found on one entry: `values` changed (digests), or its `memory` moved (texts)."""
-
-    entry: Entry
-    tensor: torch.Tensor
-    kind: str
-    was: Any
-    now: Any
-
-
-class Entry:
-    """One protected tensor: its path, placement, memory and layout (a `_records` record) and digest."""
-
-    __slots__ = ("path", "ref", "record", "placed_at", "digest", "explained", "aliases", "detached")
-
-    def __init__(self, path: str, record: _records.Record, ref: Callable[[], Optional[torch.Tensor]],
-                 placed_at: Optional[str]) -> None:
-        self.path = path
-        self.ref = ref
-        self.record = record
-        self.placed_at = placed_at
-        self.digest: _digest.Digest = record[DIGEST]  # its values when last looked at (see `_digest`)
-        self.explained = False  # an op event reported a write since then
-        self.aliases: tuple[str, ...] = ()  # other paths to the same tensor object
-        self.detached = False  # no longer reachable from the guarded object
-
-    @property
-    def spans(self) -> list[_torch.Span]:
-        return _records.spans(self.record)
 
 
 class ProtectedSet:
@@ -63,8 +32,7 @@ class ProtectedSet:
                  fingerprint: bool = True) -> None:
         self._root, self._name, self._keys, self._ignore = root, name, keys, ignore
         self._entries: dict[int, Entry] = {}
-        self._by_identity: dict[int, Entry] = {}  # tensors without readable memory (meta)
-        self._index: dict[Any, _Groups] = {}  # per device: the protected byte ranges and their entries
+        self._memory = MemoryIndex()  # which entries a write touches
         self._watch = _tree.snapshot([])
         self._dirty = False  # a protected tensor died: forget it before the next write is judged
         self._owners: dict[int, _tree.Owner] = {}  # id of a watched dict, list or probe -> its container
@@ -79,7 +47,6 @@ class ProtectedSet:
         self.protected_count = 0  # tensors protected so far, including ones let go since
         self._fingerprint = fingerprint
         self._compiled = _records.compiled_describe()  # kept for the set's life: one kind of record
-        self._index_stale = True  # `_index` needs rebuilding before a lookup
         self._scan(frames=None)
 
     # -- placement -------------------------------------------------------------------
@@ -96,20 +63,9 @@ class ProtectedSet:
         own = [e for t in written if (e := self._entries.get(id(t))) is not None and e.ref() is t]
         if own:
             self._follow(own)
-        self._ensure_index()
-        if kind == "write" and not self._by_identity:
-            for tensor in written:
-                try:
-                    storage = tensor.untyped_storage()
-                    lo = storage.data_ptr()
-                    hi = lo + storage.nbytes()
-                    groups = self._index.get(tensor.device)
-                except Exception:  # noqa: BLE001 - sparse and other storage-less tensors
-                    break
-                if lo == 0 or (groups is not None and groups.meets(lo, hi)):
-                    break  # may touch protected memory: look closely
-            else:
-                return []
+        self._memory.ensure(self._entries.values())
+        if kind == "write" and not self._memory.may_touch(written):
+            return []
         found: list[Entry] = []
         for tensor in written:
             found += [e for e in self.hits(tensor, kind, resizes) if e not in found]
@@ -244,9 +200,9 @@ class ProtectedSet:
     @property
     def by_identity(self) -> bool:
         """Whether some protected tensor has no readable memory (every write must be looked at)."""
-        if self._index_stale:
+        if self._memory.stale:
             return not all(_records.has_memory(e.record) for e in self._entries.values())
-        return bool(self._by_identity)
+        return bool(self._memory.by_identity)
 
     def _follow(self, entries: list[Entry]) -> bool:
         """Re-read the memory of entries re-pointed outside the dispatcher; whether any had moved.
@@ -407,7 +363,7 @@ class ProtectedSet:
         """
         held = [(e, t) for t in tensors if (e := self.entry_of(t)) is not None]
         for entry, tensor in held:
-            entry.ref = _Strong(tensor)
+            entry.ref = StrongRef(tensor)
 
         def restore() -> None:
             for entry, tensor in held:
@@ -424,78 +380,24 @@ class ProtectedSet:
         """The protected memory changed (by `added` entries only, if given): tell the hook; the
         lookup index is rebuilt when next needed."""
         if added is None:
-            self._index_stale = True
-        elif not self._index_stale:
-            self._index_add(added)
+            self._memory.invalidate()
+        else:
+            self._memory.add(added)
         if self.on_index is not None:
             self.on_index(added)
-
-    def _ensure_index(self) -> None:
-        if self._index_stale:
-            self._index_stale = False
-            self._index, self._by_identity = {}, {}
-            self._index_add(list(self._entries.values()))
-
-    def _index_add(self, entries: list[Entry]) -> None:
-        for entry in entries:
-            spans = entry.spans
-            if not spans:
-                tensor = entry.ref()
-                if tensor is not None:
-                    self._by_identity[id(tensor)] = entry
-            for span in spans:
-                groups = self._index.get(span.device)
-                if groups is None:
-                    groups = self._index[span.device] = _Groups()
-                groups.add(span.start, span.stop, entry)
 
     def hits(self, written: torch.Tensor, kind: str = "write", resizes: bool = False) -> list[Entry]:
         """Protected entries a write to `written` touches.
 
-        A value write touches an entry when they share at least one byte of element
-        memory (tensors without readable memory, such as meta tensors, by identity; an
-        empty tensor by identity when an `out=` op may resize it and fill it). A
-        metadata or re-pointing op touches only the tensor object it changes: `t_` on a
+        A value write touches the entries whose memory it shares (see `MemoryIndex.hits`).
+        A metadata or re-pointing op touches only the tensor object it changes: `t_` on a
         view leaves the base's shape alone.
         """
         if kind != "write":
             entry = self.entry_of(written)
             return [entry] if entry is not None else []
-        self._ensure_index()
-        if self._by_identity:
-            entry = self.entry_of(written)
-            if entry is not None and not entry.spans and (written.numel() > 0 or resizes):
-                return [entry]
-        found: list[Entry] = []
-        for span in _torch.spans(written):
-            groups = self._index.get(span.device)
-            for members in groups.meeting(span.start, span.stop) if groups is not None else ():
-                for entry in members:
-                    if entry not in found and self._overlaps(span, written, entry):
-                        found.append(entry)
-        return found
-
-    @staticmethod
-    def _overlaps(span: _torch.Span, written: torch.Tensor, entry: Entry) -> bool:
-        if not any(s.start < span.stop and span.start < s.stop for s in entry.spans):
-            return False
-        tensor = entry.ref()
-        if tensor is None:
-            return False
-        # Wrapper subclasses (DTensor, jagged) are compared through the tensors holding their data.
-        return any(ProtectedSet._parts_overlap(span, w, t)
-                   for w in _torch.plain_parts(written) for t in _torch.plain_parts(tensor))
-
-    @staticmethod
-    def _parts_overlap(span: _torch.Span, written: torch.Tensor, tensor: torch.Tensor) -> bool:
-        if tensor.layout != torch.strided or written.layout != torch.strided:
-            return True  # sparse parts: span overlap is as exact as it gets
-        written_spans, tensor_spans = _torch.spans(written), _torch.spans(tensor)
-        if not any(a.start < b.stop and b.start < a.stop for a in written_spans for b in tensor_spans):
-            return False
-        if all(_torch.dense(a, written) for a in written_spans) and all(_torch.dense(b, tensor) for b in tensor_spans):
-            return True
-        return _torch.elements_overlap(written, tensor)
+        self._memory.ensure(self._entries.values())
+        return self._memory.hits(written, resizes)
 
     def tensor_of(self, entry: Entry) -> Optional[torch.Tensor]:
         return entry.ref()
@@ -511,80 +413,10 @@ class ProtectedSet:
     def close(self) -> None:
         """Drop every reference: the guard keeps nothing alive once it exits."""
         self._entries.clear()
-        self._by_identity = {}
-        self._index = {}
-        self._index_stale = False
+        self._memory.clear()
         self._watch = _tree.snapshot([])
         self._owners, self._walked, self._reached = {}, {}, {}
         self._root = None
-
-
-class _Groups:
-    """The protected byte ranges of one device: sorted, disjoint groups, each with the entries
-    whose spans lie in it. A tensor placed later is merged in with two binary searches."""
-
-    __slots__ = ("starts", "stops", "members")
-
-    def __init__(self) -> None:
-        self.starts: list[int] = []
-        self.stops: list[int] = []
-        self.members: list[list[Entry]] = []
-
-    def add(self, start: int, stop: int, entry: Entry) -> None:
-        i = bisect.bisect_right(self.stops, start)  # the first group that ends after `start`
-        j = bisect.bisect_left(self.starts, stop)  # past the last one that starts before `stop`
-        members = [entry]
-        if i < j:  # it overlaps groups i..j-1: one group now
-            start, stop = min(start, self.starts[i]), max(stop, self.stops[j - 1])
-            members = [e for group in self.members[i:j] for e in group]
-            if entry not in members:
-                members.append(entry)
-        self.starts[i:j], self.stops[i:j], self.members[i:j] = [start], [stop], [members]
-
-    def meeting(self, lo: int, hi: int) -> Iterator[list[Entry]]:
-        """The entries of each group that shares a byte with `[lo, hi)`."""
-        i = bisect.bisect_right(self.stops, lo)
-        while i < len(self.starts) and self.starts[i] < hi:
-            yield self.members[i]
-            i += 1
-
-    def meets(self, lo: int, hi: int) -> bool:
-        i = bisect.bisect_right(self.stops, lo)
-        return i < len(self.starts) and self.starts[i] < hi
-
-
-class CollectorPaused:
-    """No garbage collection while a look allocates its entries.
-
-    A look over 15,000 tensors allocates ~100,000 objects, enough to trigger a full
-    collection over every object of the process (torch alone has ~500,000, ~0.2 s),
-    which tripled the cost of entering a guard. They are collected later as usual.
-    """
-
-    __slots__ = ("was_on",)
-
-    def __enter__(self) -> None:
-        self.was_on = gc.isenabled()
-        gc.disable()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.was_on:
-            gc.enable()
-
-
-collector_paused = CollectorPaused
-
-
-class _Strong:
-    """Stands in for a weak reference while one must not exist."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-    def __call__(self) -> torch.Tensor:
-        return self.tensor
 
 
 def _placed_at(frames: list[Any], chain: tuple[tuple[Any, Any], ...], tensor: torch.Tensor) -> str:

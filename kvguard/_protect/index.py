@@ -1,0 +1,147 @@
+"""Which protected entries a write touches: the protected set's memory index.
+
+Per device, the protected byte ranges as sorted, disjoint groups, each with the entries
+whose spans lie in it; entries with no readable memory (meta tensors) by identity. A
+write is first compared by its whole storage (two binary searches), then span by span,
+then element by element where spans are not dense. Rebuilt lazily after a change that
+is not a plain addition.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+
+from kvguard import _torch
+from kvguard._protect.entries import Entry
+
+
+class MemoryIndex:
+    """The protected memory of one protected set, for lookups by written tensor."""
+
+    def __init__(self) -> None:
+        self._groups: dict[Any, _Groups] = {}  # per device
+        self.by_identity: dict[int, Entry] = {}  # id(tensor) -> its entry, for tensors without memory
+        self.stale = True  # rebuild before the next lookup
+
+    def invalidate(self) -> None:
+        self.stale = True
+
+    def add(self, entries: Iterable[Entry]) -> None:
+        """Entries newly protected (nothing else changed): merged in, unless a rebuild is due anyway."""
+        if not self.stale:
+            self._add(entries)
+
+    def ensure(self, entries: Iterable[Entry]) -> None:
+        """Rebuild from `entries` (all of the set's) if the index is stale."""
+        if self.stale:
+            self.stale = False
+            self._groups, self.by_identity = {}, {}
+            self._add(entries)
+
+    def _add(self, entries: Iterable[Entry]) -> None:
+        for entry in entries:
+            spans = entry.spans
+            if not spans:
+                tensor = entry.ref()
+                if tensor is not None:
+                    self.by_identity[id(tensor)] = entry
+            for span in spans:
+                groups = self._groups.get(span.device)
+                if groups is None:
+                    groups = self._groups[span.device] = _Groups()
+                groups.add(span.start, span.stop, entry)
+
+    def may_touch(self, written: Sequence[torch.Tensor]) -> bool:
+        """Whether any of `written` may touch protected memory: its whole storage meets a group
+        (or it has no readable storage). False is certain; True asks for `hits`."""
+        if self.by_identity:
+            return True
+        for tensor in written:
+            try:
+                storage = tensor.untyped_storage()
+                lo = storage.data_ptr()
+                hi = lo + storage.nbytes()
+                groups = self._groups.get(tensor.device)
+            except Exception:  # noqa: BLE001 - sparse and other storage-less tensors
+                return True
+            if lo == 0 or (groups is not None and groups.meets(lo, hi)):
+                return True
+        return False
+
+    def hits(self, written: torch.Tensor, resizes: bool = False) -> list[Entry]:
+        """The entries a value write to `written` touches: they share at least one byte of
+        element memory (tensors without readable memory by identity; an empty tensor by
+        identity when an `out=` op may resize it and fill it)."""
+        if self.by_identity:
+            entry = self.by_identity.get(id(written))
+            if entry is not None and entry.ref() is written and (written.numel() > 0 or resizes):
+                return [entry]
+        found: list[Entry] = []
+        for span in _torch.spans(written):
+            groups = self._groups.get(span.device)
+            for members in groups.meeting(span.start, span.stop) if groups is not None else ():
+                for entry in members:
+                    if entry not in found and _overlaps(span, written, entry):
+                        found.append(entry)
+        return found
+
+    def clear(self) -> None:
+        self._groups, self.by_identity, self.stale = {}, {}, False
+
+
+def _overlaps(span: _torch.Span, written: torch.Tensor, entry: Entry) -> bool:
+    if not any(s.start < span.stop and span.start < s.stop for s in entry.spans):
+        return False
+    tensor = entry.ref()
+    if tensor is None:
+        return False
+    # Wrapper subclasses (DTensor, jagged) are compared through the tensors holding their data.
+    return any(_parts_overlap(span, w, t) for w in _torch.plain_parts(written) for t in _torch.plain_parts(tensor))
+
+
+def _parts_overlap(span: _torch.Span, written: torch.Tensor, tensor: torch.Tensor) -> bool:
+    if tensor.layout != torch.strided or written.layout != torch.strided:
+        return True  # sparse parts: span overlap is as exact as it gets
+    written_spans, tensor_spans = _torch.spans(written), _torch.spans(tensor)
+    if not any(a.start < b.stop and b.start < a.stop for a in written_spans for b in tensor_spans):
+        return False
+    if all(_torch.dense(a, written) for a in written_spans) and all(_torch.dense(b, tensor) for b in tensor_spans):
+        return True
+    return _torch.elements_overlap(written, tensor)
+
+
+class _Groups:
+    """The protected byte ranges of one device: sorted, disjoint groups, each with the entries
+    whose spans lie in it. A tensor placed later is merged in with two binary searches."""
+
+    __slots__ = ("starts", "stops", "members")
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.stops: list[int] = []
+        self.members: list[list[Entry]] = []
+
+    def add(self, start: int, stop: int, entry: Entry) -> None:
+        i = bisect.bisect_right(self.stops, start)  # the first group that ends after `start`
+        j = bisect.bisect_left(self.starts, stop)  # past the last one that starts before `stop`
+        members = [entry]
+        if i < j:  # it overlaps groups i..j-1: one group now
+            start, stop = min(start, self.starts[i]), max(stop, self.stops[j - 1])
+            members = [e for group in self.members[i:j] for e in group]
+            if entry not in members:
+                members.append(entry)
+        self.starts[i:j], self.stops[i:j], self.members[i:j] = [start], [stop], [members]
+
+    def meeting(self, lo: int, hi: int) -> Iterator[list[Entry]]:
+        """The entries of each group that shares a byte with `[lo, hi)`."""
+        i = bisect.bisect_right(self.stops, lo)
+        while i < len(self.starts) and self.starts[i] < hi:
+            yield self.members[i]
+            i += 1
+
+    def meets(self, lo: int, hi: int) -> bool:
+        i = bisect.bisect_right(self.stops, lo)
+        return i < len(self.starts) and self.starts[i] < hi
