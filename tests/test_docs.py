@@ -264,10 +264,11 @@ def test_environment_variables_are_real_and_all_documented() -> None:
 
 def test_architecture_names_every_module() -> None:
     text = (DOCS / "architecture.md").read_text()
-    package = [p.relative_to(ROOT).as_posix() for ext in ("*.py", "*.c", "*.cpp") for p in (ROOT / "kvguard").rglob(ext)]
+    package = [p.relative_to(ROOT).as_posix() for ext in ("*.py", "*.pyi", "*.c", "*.cpp", "*.h")
+               for p in (ROOT / "kvguard").rglob(ext)]
     missing = [p for p in package if f"`{p}`" not in text]
     assert not missing, f"modules the architecture page does not name: {missing}"
-    named = re.findall(r"`(kvguard/[\w/]+\.(?:py|c|cpp))`", text)
+    named = re.findall(r"`(kvguard/[\w/]+\.(?:py|pyi|c|cpp|h))`", text)
     gone = [p for p in named if not (ROOT / p).exists()]
     assert not gone, f"the architecture page names modules that do not exist: {gone}"
 

@@ -18,7 +18,8 @@ import wrapt
 from kvguard._guard import calls as _calls
 from kvguard._config import Calls
 from kvguard._report.diagnostics import WALKED, first_hints
-from kvguard._guard.guard import Guard, guardable
+from kvguard._guard.guard import Guard
+from kvguard._guard.target import guardable
 from kvguard._text import say
 from kvguard._report.files import target_tallies
 from kvguard._state import STATE
@@ -69,7 +70,7 @@ def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: An
           allow: tuple[str, ...] = (), calls: Calls = Calls(), level: str = "full") -> None:
     """Wrap `module.<qualname>` so the selected calls guard `argname`; rebind stale aliases.
 
-    The wrapper is a plain function of the original's form (see `_calls`; a
+    The wrapper is a plain function of the original's form (see `kvguard._guard.calls`; a
     `staticmethod`/`classmethod` stays one), not a wrapt proxy: Dynamo takes a proxy for
     the function it wraps and compiles the original, guard and all skipped. Calls are
     numbered from 1, selected by `calls` or not.

@@ -235,7 +235,7 @@ def _enter_marked(item: pytest.Item) -> None:
 
 
 def _holds_tensor(value: Any) -> bool:
-    from kvguard._guard.guard import guardable
+    from kvguard._guard.target import guardable
     from kvguard._protect.tree import walk
 
     torch = sys.modules.get("torch")  # not imported yet: no tensors to guard

@@ -91,7 +91,7 @@ def guarded(argname: str, *, name: Optional[str] = None, action: str = "raise",
     Options as for `guard()` (None: the `KVGUARD_*` setting, else the default). The last
     call's report is kept on the wrapper as `fn.last_report`. Generator, coroutine and
     async generator functions are guarded while their body runs, paused whenever it is
-    suspended (see `_calls`); the wrapper has the same form, for `asyncio` and `inspect`.
+    suspended (see `calls`); the wrapper has the same form, for `asyncio` and `inspect`.
 
     Example::
 

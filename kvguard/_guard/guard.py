@@ -1,6 +1,8 @@
-"""`guard()`: apply the action, own the report, run the exit check (the `guarded` decorator: `_calls`).
+"""`guard()` and `Guard`: apply the action, own the report, run the boundary checks.
 
-Torch-free at import: the engine (`_engines`, `_judge`, `_protect`) loads when a guard is entered.
+Its options are resolved in `options`, what it may protect and its name in `target`; the
+`guarded` decorator is `calls`. Torch-free at import: the engine (`kvguard._engine`) and
+the protected set (`kvguard._protect.protected`) load when a guard is entered.
 """
 
 from __future__ import annotations
@@ -13,18 +15,15 @@ import warnings
 from typing import Any, Callable, Collection, Literal, Optional, TypeVar
 
 from kvguard import _ranks
+from kvguard._errors import GuardWarning, MutationError, MutationWarning
 from kvguard._guard import handlers as _handlers
-from kvguard._protect import frames as _frames
-
-from kvguard._report import render as _render
-
-from kvguard._report import files as _reportfile
-from kvguard._guard.allow import Allowlist
+from kvguard._guard import options as _options
 from kvguard._guard.allow import boundaries as allow_boundaries
-from kvguard._config import DEFAULT_MAX_EVENTS, GuardDefaults, check_action, guard_defaults, parse_level
-from kvguard._errors import ConfigError, GuardWarning, MutationError, MutationWarning
+from kvguard._guard.target import caller_name, check_target
+from kvguard._protect import frames as _frames
+from kvguard._report import files as _reportfile
+from kvguard._report import render as _render
 from kvguard._report.events import GuardReport, MutationEvent, detail_line, format_event
-from kvguard._state import STATE
 from kvguard._report.process import PROCESS
 from kvguard._text import say
 
@@ -44,27 +43,15 @@ class Guard:
                  target: Optional[str] = None, level: Optional[str] = None,
                  fingerprint: Optional[bool] = None) -> None:
         # Each option not given (None) is the `KVGUARD_*` setting, else the built-in default.
-        settings = _settings_for(target)
-        self.action = check_action("raise" if action is None else action, "kvguard.guard(action=...)")
-        self.level = parse_level(level, "kvguard.guard(level=...)") if level is not None else settings.level or "full"
-        self.fingerprint = _fingerprint_default(settings) if fingerprint is None else bool(fingerprint)
-        if self.level == "light" and not self.fingerprint:
-            raise ConfigError(f"kvguard.guard(level='light') finds changes by value fingerprints only; it cannot run "
-                              f"with {'fingerprint=False' if fingerprint is not None else 'KVGUARD_FINGERPRINT=0'}"
-                              + (" (level='light' from KVGUARD_LEVEL)" if level is None else ""))
-        self._keys_from = "keys=..." if keys is not None or settings.keys is None else "KVGUARD_KEYS"
-        keys = keys if keys is not None else settings.keys
-        ignore = ignore if ignore is not None else settings.ignore or ()
-        allow, allow_from = ((allow, "kvguard.guard(allow=...)") if allow is not None else
-                             (settings.allow or (), "the KVGUARD_ALLOW environment variable"))
-        _check_target(obj)
+        options = _options.resolve(action, level, fingerprint, keys, ignore, allow, target)
+        check_target(obj)
+        self.action, self.level, self.fingerprint = options.action, options.level, options.fingerprint
+        self.keys, self.ignore, self.allow = options.keys, options.ignore, options.allow
+        self._keys_from, self._keep = options.keys_from, options.keep
         self.obj = obj
-        self.name = name if name is not None else _caller_name(obj)
-        self.keys = _as_keys(keys, "keys")
-        self.ignore = _as_keys(ignore, "ignore") or ()
-        self.allow = Allowlist(allow, allow_from)
+        self.name = name if name is not None else caller_name(obj)
         self.report = GuardReport(name=self.name, action=self.action)
-        self._attachment: Any = None  # the engine's hold on this guard (see `_engines`), level "full"
+        self._attachment: Any = None  # the engine's hold on this guard (see `kvguard._engine.choice`), level "full"
         self.engine: Optional[str] = None  # which engine finds its writes, once entered ("full" only)
         self._protected: Any = None
         self._entered = False
@@ -86,9 +73,6 @@ class Guard:
         self._tallies: list[Any] = []
         self._label = target or self.name
         self.call = 0  # this guard's number in the process, once entered
-        # Events kept in `report`: all under record with no KVGUARD_MAX_EVENTS, else the cap.
-        cap = settings.max_events
-        self._keep = None if cap is None and self.action == "record" else DEFAULT_MAX_EVENTS if cap is None else cap
         self.protected_count = 0  # tensors protected over the guard's life (set at exit)
         # Set at exit when the guarded code did nothing here and an integration says it does
         # not run in this process (`_ranks.register_not_run_check`): the call is then counted
@@ -167,7 +151,7 @@ class Guard:
         if unread is not None:
             # An `except RuntimeError:` around the write swallowed the error unread: the
             # write was skipped and the code went on as if it had happened. (A handler that
-            # names MutationError marked it seen when it was raised: see `_handlers`.)
+            # names MutationError marked it seen when it was raised: see `handlers`.)
             raise MutationError(unread[0] + "\n" + detail_line(
                 "caught", "this MutationError was caught inside the guard and never read (by a handler "
                 "for a broader class: except RuntimeError/Exception?); the write did not happen. A handler "
@@ -411,89 +395,6 @@ def guard(obj: Any, *, name: Optional[str] = None, action: str = "raise",
                  level=level, fingerprint=fingerprint)
 
 
-def guardable(obj: Any) -> bool:
-    """Whether `obj` is something a guard protects: a tensor, or a container kvguard walks.
-
-    Containers: dicts and every Mapping, lists, tuples, namedtuples, dataclass instances,
-    `types.SimpleNamespace` and `torch.utils._pytree` nodes (see `_tree`).
-    """
-    from kvguard._protect import tree as _tree
-
-    if isinstance(obj, (dict, list, tuple)) or _tree.walkable(obj):
-        return True
-    torch = sys.modules.get("torch")  # no torch imported: obj cannot be a tensor
-    return torch is not None and isinstance(obj, torch.Tensor)
-
-
-def _check_target(obj: Any) -> None:
-    if not guardable(obj):
-        from kvguard._protect import tree as _tree
-
-        kind = obj if isinstance(obj, type) else type(obj)
-        spelled = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-        if isinstance(obj, type):
-            spelled = f"the class {spelled} itself, not an instance"
-        elif _tree._instance_dict(obj) is not None:
-            spelled += ", whose attributes kvguard does not walk"
-        raise TypeError(
-            f"kvguard.guard() protects tensors held in dicts (and any Mapping), lists, tuples, namedtuples, "
-            f"dataclass instances, SimpleNamespaces or torch pytree nodes (nested at any depth), or a tensor; "
-            f"got {spelled}"
-        )
-
-
-def _as_keys(keys: Any, what: str) -> Optional[tuple[Any, ...]]:
-    if keys is None:
-        return None
-    if isinstance(keys, (str, bytes, int)):
-        return (keys,)
-    try:
-        return tuple(keys)
-    except TypeError:
-        raise TypeError(f"kvguard.guard({what}=...) takes a key or a collection of keys, got {keys!r}") from None
-
-
-_NAMING_CALLS = ("guard", "Guard", "protect")
-_MAX_NAME_CHARS = 80
-
-
-def _caller_name(obj: Any) -> str:
-    """How the caller spelled `obj`: `rollout_data`, `self.rollout_data`, `batch["rollout"]`.
-
-    Read from the calling line's source; without source, the one variable bound to
-    `obj`; else "obj".
-    """
-    frame = next(_frames.user_frames(sys._getframe(1)), None)
-    if frame is None:
-        return "obj"
-    text = _frames.call_argument_text(frame, _NAMING_CALLS)
-    if text and len(text) <= _MAX_NAME_CHARS:
-        return text
-    names = [n for n, v in _frames.frame_namespace(frame).items() if v is obj and not n.startswith("_")]
-    return names[0] if len(names) == 1 else "obj"
-
-
 def _key_list(keys: Collection[Any]) -> str:
     shown = sorted(map(repr, keys))
     return ", ".join(shown[:8]) + (f" … (+{len(shown) - 8})" if len(shown) > 8 else "") if shown else "no keys"
-
-
-
-
-def _fingerprint_default(settings: Optional[GuardDefaults] = None) -> bool:
-    """On, unless `KVGUARD_FINGERPRINT` says 0/off/false/no."""
-    settings = settings if settings is not None else guard_defaults()
-    return settings.fingerprint is not False
-
-
-def _settings_for(target: Optional[str]) -> GuardDefaults:
-    """The `KVGUARD_*` guard settings a new guard takes for the options it was not given.
-
-    An env target's guard keeps those read when activation started (checked then: a bad
-    one means no activation), so a variable changed later cannot fail the user's call.
-    Any other guard reads them now, and a bad value is a `ConfigError` naming the variable.
-    """
-    settings = STATE.settings
-    if target is not None and settings is not None and settings.active:
-        return settings.defaults  # type: ignore[no-any-return]
-    return guard_defaults()
