@@ -16,7 +16,7 @@ class MutationError(RuntimeError):
     error pickles across processes (Ray, multiprocessing).
 
     A handler that names this class (`except MutationError:`, `pytest.raises(
-    MutationError)`; found from the bytecode when the error is raised, see `_handlers`)
+    MutationError)`; found from the bytecode when the error is raised, see `kvguard._guard.handlers`)
     or reads the error (its text, `event` or `report`) has seen it. One that catches it
     through a base class without looking (`except RuntimeError: retry`) swallowed it:
     the guard raises it again at its exit.

@@ -341,7 +341,7 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _bits_differ(was: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """Where the two hold different bits: the fingerprints' rule (`_digest` reads raw bits),
+    """Where the two hold different bits: the fingerprints' rule (`kvguard._protect.digest` reads raw bits),
     so `0.0 → -0.0` is a change and a NaN that keeps its bits is not."""
     if was.dtype.is_complex:
         was, after = torch.view_as_real(was), torch.view_as_real(after)

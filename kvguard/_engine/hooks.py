@@ -1,7 +1,7 @@
 """The write-hook engines: a kernel on ADInplaceOrView for every op that writes.
 
 Ops that write nothing never reach that dispatch key, so reads cost nothing. A writing
-op's kernel (`write_hook`, compiled, or `_kernels`, its Python twin) compares the
+op's kernel (`write_hook`, compiled, or `kernels`, its Python twin) compares the
 written storage with the protected memory of every active guard and enters Python only
 on a possible hit, where each guard's `WriteJudge` decides. The hook is process-wide:
 it sees writes from every thread, not only the one that entered the guard.

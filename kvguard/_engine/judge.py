@@ -1,6 +1,6 @@
 """`WriteJudge`: one guard's verdict on one writing op, whichever engine saw it.
 
-An engine (`_engines`) finds the ops that write; the judge decides whether a write
+An engine (`choice`) finds the ops that write; the judge decides whether a write
 touches the guard's `ProtectedSet`, turns it into `MutationEvent`s and hands them to the
 guard's callback. With `block=True` the callback runs before the op, so raising there
 leaves the data intact.
@@ -186,7 +186,7 @@ class WriteJudge:
 
     def _event(self, func: Any, kind: str, entry: Entry, site: _frames.Site, blocked: bool,
                before_meta: Optional[str] = None, copy: Optional[_Copy] = None) -> MutationEvent:
-        """The event for one protected entry; its summaries never raise (see `_diff`)."""
+        """The event for one protected entry; its summaries never raise (see `diff`)."""
         tensor = self.protected.tensor_of(entry)
         described = _describe(tensor)
         if blocked:

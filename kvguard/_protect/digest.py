@@ -5,7 +5,7 @@ Taken when a tensor enters the protected set and compared at the guard's exit an
 another thread, a compiled kernel) is still found. Digests read raw bits, so an
 untouched NaN is no change and every dtype works (float8, unsigned, complex, bool).
 
-CPU tensors go to one C call per batch (`_digest_c`: one pass over memory, no copy, the
+CPU tensors go to one C call per batch (`kvguard._native.digest`: one pass over memory, no copy, the
 GIL released). Other devices, and CPU without the C helper, use torch ops on the
 tensor's own device in bounded chunks; the digest stays there as a 0-d tensor until a
 comparison, which synchronises once per device.

@@ -23,7 +23,7 @@ class Change(NamedTuple):
 
 
 class Entry:
-    """One protected tensor: its path, placement, memory and layout (a `_records` record) and digest."""
+    """One protected tensor: its path, placement, memory and layout (a `records` record) and digest."""
 
     __slots__ = ("path", "ref", "record", "placed_at", "digest", "explained", "aliases", "detached")
 
@@ -33,7 +33,7 @@ class Entry:
         self.ref = ref
         self.record = record
         self.placed_at = placed_at
-        self.digest: _digest.Digest = record[DIGEST]  # its values when last looked at (see `_digest`)
+        self.digest: _digest.Digest = record[DIGEST]  # its values when last looked at (see `digest`)
         self.explained = False  # an op event reported a write since then
         self.aliases: tuple[str, ...] = ()  # other paths to the same tensor object
         self.detached = False  # no longer reachable from the guarded object

@@ -26,7 +26,7 @@ from kvguard._protect import digest as _digest
 # span ((0, 0): none), `dense` whether they tile it. From Python: `device` is None and
 # `start` holds the spans (`_torch.spans`). `digest` is its values' digest (None: none).
 # `inference`: an inference tensor, whose writes inside `torch.inference_mode()` only the
-# write hooks' inference-mode kernels see (`_hooks`).
+# write hooks' inference-mode kernels see (`kvguard._engine.hooks`).
 Record = tuple[Any, ...]
 LAYOUT, IMPL, DEVICE, START, STOP, DENSE, DIGEST, INFERENCE = range(8)
 

@@ -524,7 +524,7 @@ def changed(snap: Snapshot) -> bool:
     """Whether any watched container gained, lost or replaced a value.
 
     On the path of every write op: one identity comparison of every value, in C (the
-    `_speedups` extension, about a nanosecond a value) or, without it, in `map`/`all`.
+    `kvguard._native.speedups` extension, about a nanosecond a value) or, without it, in `map`/`all`.
     A value that moved from one container to another is not a change: nothing new
     became reachable.
     """

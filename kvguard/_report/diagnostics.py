@@ -1,6 +1,6 @@
 """The exit diagnostics: one line for each way the settings guarded less than they say.
 
-Said at exit (after the summary, by `_startup`) and written into each report file's
+Said at exit (after the summary, by `kvguard._activate.startup`) and written into each report file's
 summary record (by `files.finish_all`); a preset's lines too, from its data in `_presets`.
 Imports nothing of the job's: a package is searched only when its parent is imported.
 """
@@ -20,7 +20,7 @@ from kvguard._state import State
 from kvguard._targets import Target
 from kvguard._text import plural
 
-WALKED = "mappings, sequences, dataclasses, SimpleNamespaces and pytree nodes"  # what `_tree` walks
+WALKED = "mappings, sequences, dataclasses, SimpleNamespaces and pytree nodes"  # what `kvguard._protect.tree` walks
 first_hints: dict[str, str] = {}  # target -> the hint said at its first unguardable call, for the exit line
 
 
