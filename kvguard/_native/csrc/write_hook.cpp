@@ -883,6 +883,13 @@ bool read_address(PyObject* obj, uintptr_t* out, const char* what) {
   return true;
 }
 
+// Makes `next` what writing threads read (replaced whole, never changed once published).
+// Updates come from Python with the GIL held, so they never race each other.
+void publish(std::shared_ptr<Protected> next) {
+  std::shared_ptr<const Protected> frozen = std::move(next);
+  std::atomic_store(&g_protected, std::move(frozen));
+}
+
 // Reads a sequence of (start, stop) pairs (tuples or lists of two addresses) into `out`,
 // leaving out empty ones. `sorted`: they must be sorted and disjoint, each with start <= stop
 // (a ValueError otherwise); else any order and any overlap.
@@ -925,12 +932,10 @@ PyObject* py_set_intervals(PyObject*, PyObject* arg) {
   KVGUARD_TRY
   Intervals intervals;
   if (!read_pairs(arg, &intervals, "set_intervals", /*sorted=*/true)) return nullptr;
-  // Updates come from Python with the GIL held, so they never race each other.
   auto next = std::make_shared<Protected>();
   if (auto current = std::atomic_load(&g_protected)) next->identities = current->identities;
   next->intervals = std::move(intervals);
-  std::shared_ptr<const Protected> frozen = std::move(next);
-  std::atomic_store(&g_protected, std::move(frozen));
+  publish(std::move(next));
   Py_RETURN_NONE;
   KVGUARD_CATCH
 }
@@ -989,8 +994,7 @@ PyObject* py_add_protected(PyObject*, PyObject* args) {
              more.begin(), more.end(), std::back_inserter(next->identities));
   next->identities.erase(std::unique(next->identities.begin(), next->identities.end()),
                          next->identities.end());
-  std::shared_ptr<const Protected> frozen = std::move(next);
-  std::atomic_store(&g_protected, std::move(frozen));
+  publish(std::move(next));
   Py_RETURN_NONE;
   KVGUARD_CATCH
 }
@@ -1004,8 +1008,7 @@ PyObject* py_set_identities(PyObject*, PyObject* arg) {
   auto next = std::make_shared<Protected>();
   if (auto current = std::atomic_load(&g_protected)) next->intervals = current->intervals;
   next->identities = std::move(identities);
-  std::shared_ptr<const Protected> frozen = std::move(next);
-  std::atomic_store(&g_protected, std::move(frozen));
+  publish(std::move(next));
   Py_RETURN_NONE;
   KVGUARD_CATCH
 }
