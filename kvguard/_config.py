@@ -23,6 +23,7 @@ from typing import Mapping, Optional
 
 from kvguard import _presets
 from kvguard._errors import ConfigError
+from kvguard._paths import parse_patterns
 from kvguard._targets import Target, parse_target
 
 OFF = "off"
@@ -106,8 +107,6 @@ def guard_defaults(environ: Optional[Mapping[str, str]] = None) -> GuardDefaults
 
 
 def _parse_guard_defaults(values: dict[str, str]) -> GuardDefaults:
-    from kvguard._paths import parse_patterns
-
     def given(name: str) -> Optional[str]:
         return values[name] or None
 

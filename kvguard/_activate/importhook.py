@@ -15,16 +15,18 @@ from typing import Any, Callable, Iterable, Optional
 
 import wrapt
 
-from kvguard._guard import calls as _calls
 from kvguard._config import Calls
-from kvguard._report.diagnostics import WALKED, first_hints
+from kvguard._guard import calls as _calls
 from kvguard._guard.guard import Guard
 from kvguard._guard.target import guardable
-from kvguard._text import say
+from kvguard._presets import missing_reason
+from kvguard._protect import tree as _tree
+from kvguard._report.diagnostics import WALKED, first_hints
 from kvguard._report.files import target_tallies
-from kvguard._state import STATE
 from kvguard._report.process import PROCESS
+from kvguard._state import STATE
 from kvguard._targets import Target
+from kvguard._text import say
 
 _MARK = "__kvguard_target__"
 
@@ -42,8 +44,6 @@ def _hook(target: Target, *options: Any) -> Callable[[Any], None]:
         try:
             patch(module, target, *options)
         except Exception as exc:  # noqa: BLE001 - never break the user's import
-            from kvguard._presets import missing_reason
-
             if target.module == "__main__" and isinstance(exc, AttributeError):
                 say(main_script_line(target))
             elif missing_reason(target, module) is None:  # a preset's function missing here: said at exit
@@ -152,8 +152,6 @@ def _holds_tensor(value: Any) -> bool:
         return False
     try:
         import torch
-
-        from kvguard._protect import tree as _tree
 
         leaves, _ = _tree.walk(value, "x", torch.Tensor)
         return bool(leaves)

@@ -51,9 +51,9 @@ from typing import Any, Collection, Generator, Iterator, Optional
 
 import pytest
 
+from kvguard._activate.pytest_off import MARKER_HELP, OffLedger
 from kvguard._config import OFF, parse_action
 from kvguard._errors import ConfigError, MutationError, MutationWarning
-from kvguard._activate.pytest_off import MARKER_HELP, OffLedger
 
 ACTION_HELP = ("What a kvguard guard does on an in-place write to a protected tensor: raise "
                "(fail the test at the write), record (fail at the end of the test with every "

@@ -9,6 +9,8 @@ at exit, each way the settings guarded less than they say is one line with its f
 import os
 import sys
 
+from kvguard._state import STATE  # both stdlib only: what the plugin's import of this module costs
+from kvguard._text import say
 
 _activated = False
 
@@ -26,8 +28,6 @@ def activate() -> None:
     try:
         _start()
     except Exception as exc:  # noqa: BLE001 - a debug switch must not kill the job
-        from kvguard._text import say
-
         say(f"kvguard: not activated: {exc}")
 
 
@@ -71,9 +71,6 @@ def _start() -> None:
     import atexit
 
     from kvguard import _config
-    from kvguard._text import say
-    from kvguard._state import STATE
-    from kvguard._report.process import PROCESS
 
     settings = _config.from_env(os.environ)
     if not settings.active or STATE.started:
@@ -100,8 +97,6 @@ def _print_summary() -> None:
     from kvguard import _ranks
     from kvguard._report.diagnostics import diagnostics
     from kvguard._report.files import ReportWriter
-    from kvguard._text import say
-    from kvguard._state import STATE
     from kvguard._report.process import PROCESS
 
     if not STATE.patched and not PROCESS.tally.calls and _is_helper_process():

@@ -16,18 +16,24 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional, Union, cast
 
+import torch
+
 from kvguard import _config
+from kvguard._engine import kernels
 from kvguard._engine.backend import Backend
+from kvguard._engine.hooks import HookEngine
 from kvguard._engine.judge import WriteJudge
+from kvguard._engine.mode import ModeAttachment
+from kvguard._native import build as _build
+from kvguard._text import say
 
 if TYPE_CHECKING:  # mypy checks here that both backends are one, the compiled one by its .pyi
-    from kvguard._engine import kernels
     from kvguard._native import write_hook
 
     _BACKENDS: tuple[Backend, Backend] = (write_hook, kernels)
 
 ENGINES = ("compiled", "kernels", "mode")
-_hook_engines: dict[str, Any] = {}
+_hook_engines: dict[str, HookEngine] = {}
 _unavailable: dict[str, str] = {}  # engine -> why it cannot be had in this process
 _said: set[str] = set()
 _BUSY = " is in use by an active guard"
@@ -91,8 +97,6 @@ def why_not(name: str) -> Optional[str]:
             if isinstance(backend, str):
                 _unavailable[name] = backend
                 return backend
-            from kvguard._engine.hooks import HookEngine
-
             _hook_engines[name] = HookEngine(name, backend)
         except Exception as exc:  # noqa: BLE001 - an engine that fails to install is not used
             _unavailable[name] = f"{type(exc).__name__}: {exc}"
@@ -117,16 +121,10 @@ def install_only(name: Optional[str]) -> None:
 
 def _backend(name: str) -> Union[Backend, str]:
     """The backend module for a hook engine, or a string saying why there is none."""
-    import torch
-
     if not hasattr(torch.library, "get_kernel"):
         return f"torch {torch.__version__} lacks the computed-kernel API (torch >= 2.9 has it)"
     if name == "kernels":
-        from kvguard._engine import kernels as _kernels
-
-        return _kernels
-    from kvguard._native import build as _build
-
+        return kernels
     module = _build.load()  # kvguard._native.write_hook, loaded from the build cache
     return cast(Backend, module) if module is not None else _build.reason()
 
@@ -141,14 +139,10 @@ def attach(judge: WriteJudge) -> Any:
             _unavailable[name] = f"{type(exc).__name__}: {exc}"
             _say_once(f"failed:{name}", f"kvguard: the {name} engine failed ({_unavailable[name]}); "
                                         "using the dispatch mode")
-    from kvguard._engine.mode import ModeAttachment
-
     return ModeAttachment(judge)
 
 
 def _say_once(key: str, line: str) -> None:
     if key not in _said:
         _said.add(key)
-        from kvguard._text import say
-
         say(line)

@@ -20,13 +20,13 @@ from typing import Any, Optional, Sequence
 import torch
 
 from kvguard import _torch
-from kvguard._torch import outside_dynamo
-from kvguard._protect import frames as _frames
-from kvguard._protect import records as _records
 from kvguard._engine.backend import Backend
 from kvguard._engine.judge import After, WriteJudge, judge_all
 from kvguard._engine.mode import thread_judges
+from kvguard._protect import frames as _frames
+from kvguard._protect import records as _records
 from kvguard._protect.collector import collector_paused
+from kvguard._torch import outside_dynamo
 
 
 # op name as the backend spells it ("aten::mul_.Tensor") -> its OpOverload

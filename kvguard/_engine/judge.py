@@ -15,11 +15,11 @@ import torch
 
 from kvguard import _torch
 from kvguard._engine import diff as _diff
-from kvguard._protect import frames as _frames
 from kvguard._errors import MutationError
-from kvguard._report.events import MutationEvent
+from kvguard._protect import frames as _frames
 from kvguard._protect.entries import Change, Entry
 from kvguard._protect.protected import ProtectedSet
+from kvguard._report.events import MutationEvent
 
 FREED_DIFF = "values not compared (the tensor was freed before they could be read)"
 UNOBSERVED_DIFF = ("values changed with no dispatched write: a numpy view, a raw pointer, another thread or "
@@ -115,7 +115,7 @@ class WriteJudge:
         """
         protected = self.protected
         hit = protected.written_entries(written, facts.kind, facts.resizes)
-        if not hit or (func is _COPY and _is_self_copy(args)):
+        if not hit or (func is _COPY and is_self_copy(args)):
             return None
         protected.settle()  # the report names every path to the tensor, as of now
         site = _frames.user_site()
@@ -266,7 +266,7 @@ def _values(tensor: Optional[torch.Tensor], around: int = 0) -> str:
     return _diff.values(tensor, around) if tensor is not None else "<freed>"
 
 
-def _is_self_copy(args: Sequence[Any]) -> bool:
+def is_self_copy(args: Sequence[Any]) -> bool:
     """`k[-1] += r` ends with `copy_(view, view)`: a no-op that is not a new write."""
     if len(args) < 2 or not isinstance(args[1], torch.Tensor):
         return False

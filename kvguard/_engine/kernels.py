@@ -17,6 +17,7 @@ import torch
 
 from kvguard import _torch
 from kvguard._engine.hooks import overload_of
+from kvguard._engine.judge import is_self_copy
 from kvguard._torch import (BELOW_HOOK, BELOW_INFERENCE, HOOK_KEY, INFERENCE_KEY, INFERENCE_KEY_NAME,
                             outside_dynamo)
 
@@ -264,7 +265,7 @@ def _judged(name: str, facts: Any, is_copy: bool, keyset: Any, args: tuple[Any, 
         callback = state.callback
         if callback is not None:
             written = _torch.written_tensors(facts, args, kwargs)
-            if any(map(_candidate, written)) and not (is_copy and _self_copy(args)):
+            if any(map(_candidate, written)) and not (is_copy and is_self_copy(args)):
                 after = callback(name, tuple(written))
         if after is None:
             return call(keyset, args, kwargs)
@@ -343,9 +344,3 @@ def _candidate(tensor: torch.Tensor) -> bool:
     starts, stops = state.intervals  # sorted and disjoint: only the last one starting below `hi` can meet it
     i = bisect.bisect_right(starts, hi - 1) - 1
     return i >= 0 and stops[i] > lo
-
-
-def _self_copy(args: tuple[Any, ...]) -> bool:
-    from kvguard._engine.judge import _is_self_copy
-
-    return _is_self_copy(args)

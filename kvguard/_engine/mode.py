@@ -14,8 +14,8 @@ from typing import Any, Sequence
 import torch
 
 from kvguard import _torch
-from kvguard._torch import TorchDispatchMode
 from kvguard._engine.judge import WriteJudge, judge_all
+from kvguard._torch import TorchDispatchMode
 
 _facts_cache = _torch._facts_cache
 _op_facts = _torch.op_facts

@@ -25,12 +25,11 @@ import os
 import types
 from typing import Any, Callable, Collection, Generator, Iterator, Optional, TypeVar
 
-from kvguard._protect import frames as _frames
-
-from kvguard._report import files as _reportfile
 from kvguard._config import check_action, guard_defaults, parse_level
 from kvguard._errors import MutationError
 from kvguard._guard.guard import Guard
+from kvguard._protect import frames as _frames
+from kvguard._report import files as _reportfile
 from kvguard._text import say
 
 F = TypeVar("F", bound=Callable[..., Any])

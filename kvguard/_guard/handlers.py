@@ -36,6 +36,7 @@ import os
 import types
 from typing import Any, Iterator, NamedTuple, Optional
 
+from kvguard._errors import MutationError
 from kvguard._protect import frames as _frames
 
 OWN, OTHER, PASSES = "own", "other", "passes"  # a handler's verdict, and a frame's
@@ -178,8 +179,6 @@ def _clause_at(ops: list[dis.Instruction], at: int) -> Optional[tuple[int, int]]
 def _match(error: BaseException, values: list[Any], strict: bool) -> Optional[str]:
     """OWN when a class in `values` that catches `error` names MutationError, OTHER when only a
     base class catches it, PASSES when none does; None when a value is unknown (and `strict`)."""
-    from kvguard._errors import MutationError
-
     classes = list(_classes(values))
     catching = [c for c in classes if isinstance(error, c)]
     if any(issubclass(c, MutationError) for c in catching):

@@ -6,6 +6,7 @@ import sys
 from typing import Any
 
 from kvguard._protect import frames as _frames
+from kvguard._protect import tree as _tree
 
 
 def guardable(obj: Any) -> bool:
@@ -14,8 +15,6 @@ def guardable(obj: Any) -> bool:
     Containers: dicts and every Mapping, lists, tuples, namedtuples, dataclass instances,
     `types.SimpleNamespace` and `torch.utils._pytree` nodes (see `kvguard._protect.tree`).
     """
-    from kvguard._protect import tree as _tree
-
     if isinstance(obj, (dict, list, tuple)) or _tree.walkable(obj):
         return True
     torch = sys.modules.get("torch")  # no torch imported: obj cannot be a tensor
@@ -24,8 +23,6 @@ def guardable(obj: Any) -> bool:
 
 def check_target(obj: Any) -> None:
     if not guardable(obj):
-        from kvguard._protect import tree as _tree
-
         kind = obj if isinstance(obj, type) else type(obj)
         spelled = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
         if isinstance(obj, type):

@@ -33,6 +33,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Optional
 
+from kvguard._config import read
+
 MODULE_NAME = "kvguard._native.write_hook"
 SOURCE = Path(__file__).parent / "csrc" / "write_hook.cpp"  # the translation unit
 HEADERS = tuple(SOURCE.with_name(name) for name in ("describe.h", "python_api.h"))  # it includes
@@ -48,8 +50,6 @@ _reason = "not loaded yet: call load()"
 
 def cache_root() -> Path:
     """The cache directory: `KVGUARD_CACHE_DIR`, else `$XDG_CACHE_HOME/kvguard`, else `~/.cache/kvguard`."""
-    from kvguard._config import read
-
     explicit = read("KVGUARD_CACHE_DIR")
     if explicit:
         return Path(explicit).expanduser()
@@ -122,7 +122,7 @@ def _compile_command(compiler: list[str], output: Path) -> list[str]:
     import torch
     import torch.utils.cpp_extension as cpp_extension
 
-    from kvguard import _torch
+    from kvguard import _torch  # imports torch, as this function does
 
     lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
     includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
@@ -282,8 +282,6 @@ def load() -> Optional[ModuleType]:
 
 def rebuild_requested() -> bool:
     """Whether `KVGUARD_REBUILD` asks for a fresh build (set, and not 0)."""
-    from kvguard._config import read
-
     return read("KVGUARD_REBUILD") not in ("", "0")
 
 

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from kvguard import _torch
+from kvguard._native.build import MODULE_NAME
 from kvguard._protect import digest as _digest
 
 # A record: (layout, impl, device, start, stop, dense, digest, inference). `layout` changes when the
@@ -33,8 +34,6 @@ LAYOUT, IMPL, DEVICE, START, STOP, DENSE, DIGEST, INFERENCE = range(8)
 
 def compiled_describe() -> Optional[ModuleType]:
     """The compiled extension, if this process has loaded it (never builds it)."""
-    from kvguard._native.build import MODULE_NAME
-
     module = sys.modules.get(MODULE_NAME)
     return module if module is not None and hasattr(module, "describe") else None
 

@@ -23,12 +23,12 @@ from typing import Any, Optional
 
 from kvguard import _config, _ranks
 from kvguard._config import DEFAULT_MAX_EVENTS
-from kvguard._report.diagnostics import diagnostics
 from kvguard._errors import ConfigError
-from kvguard._text import say
-from kvguard._state import STATE
+from kvguard._report.diagnostics import diagnostics
 from kvguard._report.process import PROCESS
 from kvguard._report.tally import Tally, TargetStats
+from kvguard._state import STATE
+from kvguard._text import say
 
 SCHEMA = 1  # raised when a field changes meaning or goes away; new fields keep it
 FILE_PREFIX = "kvguard-rank"

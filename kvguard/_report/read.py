@@ -14,8 +14,8 @@ import json
 import os
 from typing import Any, Iterator, Optional
 
-from kvguard._report.files import FILE_PREFIX, SCHEMA
 from kvguard._paths import collapse
+from kvguard._report.files import FILE_PREFIX, SCHEMA
 from kvguard._report.tally import short_site
 from kvguard._text import plural
 

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from kvguard._report.events import (  # the plain and rich text of events lives with them
     MAX_EVENT_CHARS, MutationEvent, _clip_value, format_event, rich_event)
-from kvguard._text import plural
 from kvguard._report.tally import display_label
+from kvguard._text import plural
 
 MAX_WRITE_BYTES = 4000  # a pipe write up to PIPE_BUF (4 KiB) is atomic on Linux
 
