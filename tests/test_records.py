@@ -161,3 +161,33 @@ def test_a_layout_text_reads_like_a_report() -> None:
     assert _records.layout_text(fast).startswith(f"elements at {t.data_ptr():#x}..")
     assert _records.layout_text(slow) == _records.tensor_text(t) == (
         f"data_ptr {t.data_ptr():#x}, shape (4, 4), stride (4, 1), offset 0")
+
+
+def test_without_the_c_digest_the_compiled_describe_leaves_digests_to_python() -> None:
+    """The C digest extension may be missing (it is optional) while the compiled hook loads: its
+    describe() must then leave each CPU digest to Python, not give none (found by running a
+    checkout without the built extensions: a numpy write went unseen at the exit)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["kvguard._native.digest"] = None  # as where the optional extension did not build
+        import numpy, torch, kvguard
+        from kvguard._native import build
+        from kvguard._protect import digest, records
+        assert build.load() is not None, build.reason()
+        assert digest._digest_c is None
+        t = torch.zeros(2, 3)
+        (record,) = records.describe([t], True, records.compiled_describe())
+        assert record[records.DIGEST] is not None, record
+        rd = {"l": [torch.zeros(1), t]}
+        with kvguard.guard(rd, name="rd", action="record") as g:
+            t.numpy()[0, 0] = 5.0  # no dispatched op: found at the exit check
+        print([(e.path, e.kind) for e in g.report.events])
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={**__import__("os").environ, "KVGUARD_ENGINE": "compiled"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[(\"rd['l'][1]\", 'unobserved')]"

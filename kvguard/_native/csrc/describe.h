@@ -122,7 +122,11 @@ void describe_one(PyObject* obj, Described& d, bool want_digest, int max_dims) {
   }
   const bool inside = numel == 0 ||
       (base != nullptr && offset >= 0 && (offset + reach + 1) * itemsize <= (int64_t)storage.nbytes());
-  if (!inside || (int)sizes.size() > max_dims) return;
+  if (!inside) return;  // elements outside the storage: nothing to digest
+  if ((int)sizes.size() > max_dims) {  // more dims than the C digest takes, or no C digest: Python's
+    d.digest_kind = Described::kDevice;
+    return;
+  }
   d.digest_kind = Described::kHost;
   d.data = base == nullptr ? nullptr : base + offset * itemsize;
   d.itemsize = (Py_ssize_t)itemsize;
