@@ -1,9 +1,10 @@
 """The protected set: which memory belongs to which guarded entry, since when.
 
-Entries hold their tensors through weak references. To notice placements, the guard
-keeps the guarded object's containers and what they held at its last look (compared
-by identity before every write op), so a value removed from the dict is let go at the
-next look, and a tensor placed into it is protected from that moment on.
+Entries hold their tensors through weak references. The watcher (`watch`) keeps the
+guarded object's containers and what they held at the last look (compared by identity
+before every write op), so a value removed from the dict is let go at the next look, and
+a tensor placed into it is protected from that moment on; the memory index (`index`)
+says which entries a write touches.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvguard._protect.collector import collector_paused
 from kvguard._protect.entries import Change, Entry, StrongRef
 from kvguard._protect.index import MemoryIndex
 from kvguard._protect.records import DIGEST, IMPL, LAYOUT
+from kvguard._protect.watch import Watcher
 
 
 class ProtectedSet:
@@ -30,20 +32,14 @@ class ProtectedSet:
 
     def __init__(self, root: Any, name: str, keys: Optional[Collection[Any]], ignore: Collection[Any],
                  fingerprint: bool = True) -> None:
-        self._root, self._name, self._keys, self._ignore = root, name, keys, ignore
         self._entries: dict[int, Entry] = {}
         self._memory = MemoryIndex()  # which entries a write touches
-        self._watch = _tree.snapshot([])
+        self._watcher = Watcher(root, name, keys, ignore)  # where placements show
         self._dirty = False  # a protected tensor died: forget it before the next write is judged
-        self._owners: dict[int, _tree.Owner] = {}  # id of a watched dict, list or probe -> its container
-        self._walked: dict[int, Any] = {}  # id -> every container walked since the last full scan
-        self._paths_stale = False  # placements were looked at in part: aliases and `detached` may lag
-        self._reached: dict[int, Any] = {}  # id -> path(s) that reached each tensor at the last full scan
+        self._reached: dict[int, Any] = {}  # id -> path(s) that reached each tensor at the last full walk
         self._reach_applied = True  # entries' aliases and `detached` agree with `_reached`
-        self._grown = 0  # containers added to the watch since the last full scan
         # Told when the protected memory changes: with the entries added, or None when it changed otherwise.
         self.on_index: Optional[Callable[[Optional[list[Entry]]], None]] = None
-        self.keys_seen: set[Any] = set()  # top-level keys (or indices) the root ever held
         self.protected_count = 0  # tensors protected so far, including ones let go since
         self._fingerprint = fingerprint
         self._compiled = _records.compiled_describe()  # kept for the set's life: one kind of record
@@ -77,57 +73,22 @@ class ProtectedSet:
         """Protect what was placed since the last look (and forget what died): before any write is judged."""
         if self._dirty:
             self._forget_dead()
-        if _tree.changed(self._watch):
+        if self._watcher.changed():
             frames = list(_frames.user_frames(sys._getframe(1)))
             with collector_paused():
                 self._place(frames)
 
     def _place(self, frames: list[Any]) -> None:
-        """Protect what was placed into the watched containers that changed, walking only what is new.
-
-        A placement costs in proportion to what was placed (and, for a store that is not an
-        append, to the size of the container it went into), not to everything protected. A
-        container that lost a nested container is walked again whole instead, so that nothing
-        unreachable stays held; so is one that grew the watch to twice its size since then.
-        """
-        snap = self._watch
-        leaves: list[_tree.Leaf] = []
-        grown: list[Any] = []
-        for target, held in _tree.changed_at(snap):
-            owner = self._owners.get(id(target))
-            diff = _tree.new_children(target, held) if owner is not None and target is owner.obj else None
-            if owner is None or (diff is not None and any(id(v) in self._walked for v in diff[1])):
-                return self._scan_now(frames)
-            if diff is None:  # attributes, pytree nodes, mappings, probes: their container again
-                self._walked.pop(id(owner.obj), None)
-                found, watched = _tree.walk(owner.obj, owner.path, torch.Tensor, self._keys, self._ignore,
-                                            top_keys=self.keys_seen, chain=owner.chain, seen=self._walked,
-                                            owners=self._owners)
-                leaves += found
-                grown += watched
-                continue
-            kids = diff[0]
-            if not owner.chain:  # the guarded object itself: its top-level filters
-                kept = _tree.top_level([(step, value, step, None) for step, value in kids], self._keys,
-                                       self._ignore, self.keys_seen)
-                kids = [(step, value) for step, value, _, _ in kept]
-            for step, value in kids:
-                found, watched = _tree.walk(value, owner.path + _tree.step_text(step), torch.Tensor,
-                                            chain=owner.chain + ((target, step),), seen=self._walked,
-                                            owners=self._owners)
-                leaves += found
-                grown += watched
-        self._grown += len(grown)
-        if self._grown > max(len(self._owners) - self._grown, 8):
-            return self._scan_now(frames)  # the watch doubled: drop what is no longer reachable
+        """Protect what was placed into the watched containers that changed (see `Watcher.placed`)."""
+        leaves = self._watcher.placed()
+        if leaves is None:
+            return self._scan_now(frames)
         known, new, taken = self._entries, [], set()
         for leaf in leaves:  # tensors not protected yet, each once (its first path)
             key = id(leaf.tensor)
             if key not in taken and ((e := known.get(key)) is None or e.ref() is not leaf.tensor):
                 taken.add(key)
                 new.append(leaf)
-        self._watch = _tree.snapshot([*snap.containers, *(p for p, _ in snap.probes), *grown])
-        self._paths_stale = True
         added = self._add(new, frames) if new else []
         del leaves, new
         self._rebuild_index(added)  # the hook learns the new memory and what to compare now
@@ -142,8 +103,8 @@ class ProtectedSet:
         """
         # A renamed key moves paths with no placement; a placement not looked at yet waits for
         # the next look (a swap is judged before one), as it would without the rename.
-        watch = self._watch
-        if self._paths_stale or _tree.keys_changed(watch) and not _tree.changed(watch):
+        watcher = self._watcher
+        if watcher.partial or watcher.keys_changed() and not watcher.changed():
             self._scan(frames=list(_frames.user_frames(sys._getframe(1))))
         if not self._reach_applied:
             self._reach_applied = True
@@ -173,15 +134,18 @@ class ProtectedSet:
         return bool(dead)
 
     def snapshot_pair(self) -> Optional[tuple[tuple[Any, ...], tuple[Any, ...]]]:
-        """(containers, held) for the compiled hook to compare before each write; None when only
-        Python can tell (slots and deques)."""
-        watch = self._watch
-        return None if watch.probed else (watch.containers, watch.held)
+        """(containers, held) for the compiled hook to compare before each write (`Watcher.snapshot_pair`)."""
+        return self._watcher.snapshot_pair()
 
     @property
     def watching(self) -> bool:
         """Whether a placement can happen: the guarded object has containers to watch."""
-        return bool(self._watch.containers or self._watch.probed)
+        return self._watcher.watching
+
+    @property
+    def keys_seen(self) -> set[Any]:
+        """Top-level keys (or indices) the guarded object ever held."""
+        return self._watcher.keys_seen
 
     def intervals(self) -> list[tuple[int, int]]:
         """The protected memory as `[start, stop)` byte ranges (all devices together), in no
@@ -224,12 +188,9 @@ class ProtectedSet:
             self._scan_now(frames)
 
     def _scan_now(self, frames: Optional[list[Any]]) -> None:
-        self._dirty = self._paths_stale = False
-        self._grown = 0
+        self._dirty = False
         self._drop_dead()
-        self._owners, self._walked = {}, {}
-        leaves, containers = _tree.walk(self._root, self._name, torch.Tensor, self._keys, self._ignore,
-                                        top_keys=self.keys_seen, seen=self._walked, owners=self._owners)
+        leaves = self._watcher.walk_all()
         reached: dict[int, Any] = {}  # id -> the path, or a list of paths when several reach it
         new: list[_tree.Leaf] = []
         entries = self._entries
@@ -249,7 +210,6 @@ class ProtectedSet:
             self._add(new, frames)
         self._reached = reached  # aliases and `detached` are read from it when a report needs them
         self._reach_applied = False
-        self._watch = _tree.snapshot(containers)
         if leaves:
             del leaf
         del leaves, new
@@ -319,7 +279,7 @@ class ProtectedSet:
         # A look for placements: every container is walked again at `g.check()` (stores into
         # containers that cannot be watched); at the exit, where a tensor placed now would
         # have nothing to be compared with, only when a watched one changed.
-        if rescan or self._dirty or self._paths_stale or _tree.changed(self._watch):
+        if rescan or self._dirty or self._watcher.partial or self._watcher.changed():
             self._scan(list(_frames.user_frames(caller)) if caller is not None else None)
         with collector_paused():
             found = self._changes_now()
@@ -414,9 +374,8 @@ class ProtectedSet:
         """Drop every reference: the guard keeps nothing alive once it exits."""
         self._entries.clear()
         self._memory.clear()
-        self._watch = _tree.snapshot([])
-        self._owners, self._walked, self._reached = {}, {}, {}
-        self._root = None
+        self._watcher.close()
+        self._reached = {}
 
 
 def _placed_at(frames: list[Any], chain: tuple[tuple[Any, Any], ...], tensor: torch.Tensor) -> str:

@@ -1,0 +1,104 @@
+"""The placement watcher: the guarded object's containers as they were at the last look.
+
+Before every write op the containers are compared by identity with what they held (in C,
+`kvguard._native.speedups`, or by the compiled hook itself); when one changed, only what
+it newly holds is walked. A container that lost a nested container, one no walk owns,
+or a watch grown to twice its size since the last full walk asks for a full walk instead,
+so that nothing unreachable stays held.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Collection, Optional
+
+import torch
+
+from kvguard._protect import tree as _tree
+
+
+class Watcher:
+    """What one guarded object's containers held, and the walk state to find what was placed."""
+
+    def __init__(self, root: Any, name: str, keys: Optional[Collection[Any]], ignore: Collection[Any]) -> None:
+        self.root, self.name, self.keys, self.ignore = root, name, keys, ignore
+        self.snapshot = _tree.snapshot([])
+        self.owners: dict[int, _tree.Owner] = {}  # id of a watched dict, list or probe -> its container
+        self.walked: dict[int, Any] = {}  # id -> every container walked since the last full walk
+        self.grown = 0  # containers added to the watch since the last full walk
+        self.partial = False  # placements were walked in part since the last full walk
+        self.keys_seen: set[Any] = set()  # top-level keys (or indices) the root ever held
+
+    def walk_all(self) -> list[_tree.Leaf]:
+        """Every tensor reachable from the guarded object, each path once; the watch starts over."""
+        self.partial, self.grown = False, 0
+        self.owners, self.walked = {}, {}
+        leaves, containers = _tree.walk(self.root, self.name, torch.Tensor, self.keys, self.ignore,
+                                        top_keys=self.keys_seen, seen=self.walked, owners=self.owners)
+        self.snapshot = _tree.snapshot(containers)
+        return leaves
+
+    def changed(self) -> bool:
+        """Whether a watched container holds other values than at the last look."""
+        return _tree.changed(self.snapshot)
+
+    def keys_changed(self) -> bool:
+        """Whether a watched dict's keys changed (a rename moves paths with no placement)."""
+        return _tree.keys_changed(self.snapshot)
+
+    def placed(self) -> Optional[list[_tree.Leaf]]:
+        """The tensors placed into the containers that changed, walking only what is new; None
+        when only a full walk can tell (`walk_all`).
+
+        Costs in proportion to what was placed (and, for a store that is not an append, to
+        the size of the container it went into), not to everything watched.
+        """
+        snap = self.snapshot
+        leaves: list[_tree.Leaf] = []
+        grown: list[Any] = []
+        for target, held in _tree.changed_at(snap):
+            owner = self.owners.get(id(target))
+            diff = _tree.new_children(target, held) if owner is not None and target is owner.obj else None
+            if owner is None or (diff is not None and any(id(v) in self.walked for v in diff[1])):
+                return None
+            if diff is None:  # attributes, pytree nodes, mappings, probes: their container again
+                self.walked.pop(id(owner.obj), None)
+                found, watched = _tree.walk(owner.obj, owner.path, torch.Tensor, self.keys, self.ignore,
+                                            top_keys=self.keys_seen, chain=owner.chain, seen=self.walked,
+                                            owners=self.owners)
+                leaves += found
+                grown += watched
+                continue
+            kids = diff[0]
+            if not owner.chain:  # the guarded object itself: its top-level filters
+                kept = _tree.top_level([(step, value, step, None) for step, value in kids], self.keys,
+                                       self.ignore, self.keys_seen)
+                kids = [(step, value) for step, value, _, _ in kept]
+            for step, value in kids:
+                found, watched = _tree.walk(value, owner.path + _tree.step_text(step), torch.Tensor,
+                                            chain=owner.chain + ((target, step),), seen=self.walked,
+                                            owners=self.owners)
+                leaves += found
+                grown += watched
+        self.grown += len(grown)
+        if self.grown > max(len(self.owners) - self.grown, 8):
+            return None  # the watch doubled: drop what is no longer reachable
+        self.snapshot = _tree.snapshot([*snap.containers, *(p for p, _ in snap.probes), *grown])
+        self.partial = True
+        return leaves
+
+    def snapshot_pair(self) -> Optional[tuple[tuple[Any, ...], tuple[Any, ...]]]:
+        """(containers, held) for the compiled hook to compare before each write; None when only
+        Python can tell (slots and deques)."""
+        snap = self.snapshot
+        return None if snap.probed else (snap.containers, snap.held)
+
+    @property
+    def watching(self) -> bool:
+        """Whether a placement can happen: the guarded object has containers to watch."""
+        return bool(self.snapshot.containers or self.snapshot.probed)
+
+    def close(self) -> None:
+        """Drop every reference to the guarded object and its containers."""
+        self.snapshot = _tree.snapshot([])
+        self.owners, self.walked = {}, {}
+        self.root = None
