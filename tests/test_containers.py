@@ -390,7 +390,7 @@ def test_what_is_not_walked_is_a_leaf() -> None:
            "array": np.ones(2), "cls": Experience, "t": torch.ones(1)}
     assert [lf.path for lf in _tree.walk(obj, "d", lambda v: isinstance(v, torch.Tensor))[0]] == ["d['t']"]
     for unwalked in (Plain(), argparse.Namespace(), 42, Experience):
-        assert not kvguard._guard.guard.guardable(unwalked)
+        assert not kvguard._guard.target.guardable(unwalked)
     with pytest.raises(TypeError, match="argparse.Namespace, whose attributes kvguard does not walk"):
         kvguard.guard(argparse.Namespace(t=torch.ones(1)))
     with pytest.raises(TypeError, match="the class .*Experience itself, not an instance"):
@@ -402,7 +402,7 @@ def test_what_is_not_walked_is_a_leaf() -> None:
     lambda: _data_proto().batch, lambda: OrderedDict(), lambda: Sample(None, None)],
     ids=["dataclass", "namespace", "userdict", "pytree-node", "tensordict", "ordereddict", "namedtuple"])
 def test_every_container_kind_is_guardable(make: Callable[[], Any]) -> None:
-    assert kvguard._guard.guard.guardable(make())
+    assert kvguard._guard.target.guardable(make())
 
 
 def test_a_guard_over_a_container_without_tensors_still_warns() -> None:
