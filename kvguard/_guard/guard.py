@@ -21,7 +21,7 @@ from kvguard._guard import options as _options
 from kvguard._guard.allow import boundaries as allow_boundaries
 from kvguard._guard.target import caller_name, check_target
 from kvguard._protect import frames as _frames
-from kvguard._report import files as _reportfile
+from kvguard._report.account import CallAccount
 from kvguard._report import render as _render
 from kvguard._report.events import GuardReport, MutationEvent, detail_line, format_event
 from kvguard._report.process import PROCESS
@@ -69,28 +69,28 @@ class Guard:
         self.unraised_warnings: list[Warning] = []
         self.keys_seen: frozenset[Any] = frozenset()  # top-level keys the object held (set at exit)
         self._report_dir_option = report_dir
-        self.report_dir: Optional[str] = None  # where this guard's report files go, once entered
-        self._tallies: list[Any] = []
-        self._label = target or self.name
-        self.call = 0  # this guard's number in the process, once entered
+        self._account = CallAccount(target or self.name)  # its counts, once entered
         self.protected_count = 0  # tensors protected over the guard's life (set at exit)
         # Set at exit when the guarded code did nothing here and an integration says it does
         # not run in this process (`_ranks.register_not_run_check`): the call is then counted
         # as "not run here", not as a clean guarded call.
         self.not_run: Optional[str] = None
 
+    @property
+    def report_dir(self) -> Optional[str]:
+        """Where this guard's report files go, once entered (None: none)."""
+        return self._account.report_dir
+
+    @property
+    def call(self) -> int:
+        """This guard's number among the process's guarded calls, once entered."""
+        return self._account.call
+
     def __enter__(self) -> Guard:
         if self._entered:
             raise RuntimeError("a kvguard.guard(...) can be entered once; create a new one")
         self._entered = True
-        # Counted in the process's tally (the exit summary) and in the report directory's:
-        # a guard made but never entered (the pytest plugin's "off") counts nowhere.
-        writer = _reportfile.open_writer(self._report_dir_option)
-        self.report_dir = writer.directory if writer is not None else None
-        self._tallies = [PROCESS.tally] + ([writer.tally] if writer is not None else [])
-        self.call = PROCESS.tally.begin_call(self._label)
-        for tally in self._tallies[1:]:
-            tally.begin_call(self._label)
+        self._account.open(self._report_dir_option)
         from kvguard._protect.protected import ProtectedSet
 
         self._protected = ProtectedSet(self.obj, self.name, self.keys, self.ignore, fingerprint=self.fingerprint)
@@ -130,11 +130,7 @@ class Guard:
             self.keys_seen = frozenset(self._protected.keys_seen)
             self.protected_count = self._protected.protected_count
             self.not_run = self._not_run_reason(exc_type, unobserved)
-            for tally in self._tallies:
-                if self.not_run is None:
-                    tally.target(self._label).protected += self.protected_count
-                else:
-                    tally.not_run_call(self._label, self.not_run)
+            self._account.close(self.protected_count, self.not_run)
             self._protected.close()
             self._protected = self._attachment = None
             self.obj = None
@@ -251,15 +247,13 @@ class Guard:
             return False
         if not event.blocked:
             self.report.allowed[allowed] = self.report.allowed.get(allowed, 0) + 1
-            for tally in self._tallies:
-                tally.allow(allowed, self._label)
+            self._account.allowed(allowed)
         return True
 
     def _on_event(self, event: MutationEvent, at_exit: bool = False) -> None:
         if self._allowed(event):  # an intended write: it happens, counted once it has
             return
-        for tally in self._tallies:
-            tally.add(event, self.call, self._label)
+        self._account.event(event)
         if self._keep is None or len(self.report.events) < self._keep:
             self.report.events.append(event)
         else:

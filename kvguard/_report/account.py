@@ -1,0 +1,51 @@
+"""One guarded call's place in the counts: the process's tally, and its report directory's."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from kvguard._report import files as _files
+from kvguard._report.events import MutationEvent
+from kvguard._report.process import PROCESS
+from kvguard._report.tally import Tally
+
+
+class CallAccount:
+    """What one guard adds to the tallies, under its label (its target, else its name).
+
+    Opened when the guard is entered: a guard made but never entered (the pytest plugin's
+    "off") counts nowhere.
+    """
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.report_dir: Optional[str] = None  # where the call's report files go, once opened
+        self.call = 0  # the call's number in the process, once opened
+        self._tallies: list[Tally] = []
+
+    def open(self, report_dir: Optional[str | os.PathLike[str]]) -> None:
+        """Count the call in the process's tally and in the report directory's (`report_dir`: the
+        guard's option; None is `KVGUARD_REPORT_DIR`)."""
+        writer = _files.open_writer(report_dir)
+        self.report_dir = writer.directory if writer is not None else None
+        self._tallies = [PROCESS.tally] + ([writer.tally] if writer is not None else [])
+        self.call = PROCESS.tally.begin_call(self.label)
+        for tally in self._tallies[1:]:
+            tally.begin_call(self.label)
+
+    def event(self, event: MutationEvent) -> None:
+        for tally in self._tallies:
+            tally.add(event, self.call, self.label)
+
+    def allowed(self, reason: str) -> None:
+        for tally in self._tallies:
+            tally.allow(reason, self.label)
+
+    def close(self, protected: int, not_run: Optional[str]) -> None:
+        """The call is done: it protected `protected` tensors, or did not run here (`not_run`, why)."""
+        for tally in self._tallies:
+            if not_run is None:
+                tally.target(self.label).protected += protected
+            else:
+                tally.not_run_call(self.label, not_run)
