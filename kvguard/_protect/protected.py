@@ -59,8 +59,10 @@ class ProtectedSet:
         own = [e for t in written if (e := self._entries.get(id(t))) is not None and e.ref() is t]
         if own:
             self._follow(own)
-        self._memory.ensure(self._entries.values())
-        if kind == "write" and not self._memory.may_touch(written):
+        memory = self._memory
+        if memory.stale:
+            memory.ensure(self._entries.values())
+        if kind == "write" and not memory.may_touch(written):
             return []
         found: list[Entry] = []
         for tensor in written:
@@ -73,7 +75,7 @@ class ProtectedSet:
         """Protect what was placed since the last look (and forget what died): before any write is judged."""
         if self._dirty:
             self._forget_dead()
-        if self._watcher.changed():
+        if _tree.changed(self._watcher.snapshot):  # the hot path: no call in between
             frames = list(_frames.user_frames(sys._getframe(1)))
             with collector_paused():
                 self._place(frames)
