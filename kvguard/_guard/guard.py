@@ -18,6 +18,7 @@ from kvguard import _ranks
 from kvguard._errors import GuardWarning, MutationError, MutationWarning
 from kvguard._guard import handlers as _handlers
 from kvguard._guard import options as _options
+from kvguard._guard.allow import Allowlist
 from kvguard._guard.allow import boundaries as allow_boundaries
 from kvguard._guard.target import caller_name, check_target
 from kvguard._protect import frames as _frames
@@ -43,11 +44,8 @@ class Guard:
                  target: Optional[str] = None, level: Optional[str] = None,
                  fingerprint: Optional[bool] = None) -> None:
         # Each option not given (None) is the `KVGUARD_*` setting, else the built-in default.
-        options = _options.resolve(action, level, fingerprint, keys, ignore, allow, target)
+        self.options = _options.resolve(action, level, fingerprint, keys, ignore, allow, target)
         check_target(obj)
-        self.action, self.level, self.fingerprint = options.action, options.level, options.fingerprint
-        self.keys, self.ignore, self.allow = options.keys, options.ignore, options.allow
-        self._keys_from, self._keep = options.keys_from, options.keep
         self.obj = obj
         self.name = name if name is not None else caller_name(obj)
         self.report = GuardReport(name=self.name, action=self.action)
@@ -68,13 +66,43 @@ class Guard:
         # user's code, kept for integrations (the pytest plugin fails the test with them).
         self.unraised_warnings: list[Warning] = []
         self.keys_seen: frozenset[Any] = frozenset()  # top-level keys the object held (set at exit)
-        self._report_dir_option = report_dir
-        self._account = CallAccount(target or self.name)  # its counts, once entered
+        self._account = CallAccount(target or self.name, report_dir)  # its counts, once entered
         self.protected_count = 0  # tensors protected over the guard's life (set at exit)
         # Set at exit when the guarded code did nothing here and an integration says it does
         # not run in this process (`_ranks.register_not_run_check`): the call is then counted
         # as "not run here", not as a clean guarded call.
         self.not_run: Optional[str] = None
+
+    # The options as resolved (`options.Options`), read-only.
+    @property
+    def action(self) -> str:
+        """"raise", "warn" or "record"."""
+        return self.options.action
+
+    @property
+    def level(self) -> str:
+        """"full" (every op, and the boundaries) or "light" (the boundaries only)."""
+        return self.options.level
+
+    @property
+    def fingerprint(self) -> bool:
+        """Whether values are compared by digest at the boundaries."""
+        return self.options.fingerprint
+
+    @property
+    def keys(self) -> Optional[tuple[Any, ...]]:
+        """The top-level keys protected; None: all."""
+        return self.options.keys
+
+    @property
+    def ignore(self) -> tuple[Any, ...]:
+        """The top-level keys never protected."""
+        return self.options.ignore
+
+    @property
+    def allow(self) -> Allowlist:
+        """The intended writes: `allow=` patterns (and `kvguard.allow` blocks, read as they run)."""
+        return self.options.allow
 
     @property
     def report_dir(self) -> Optional[str]:
@@ -90,7 +118,7 @@ class Guard:
         if self._entered:
             raise RuntimeError("a kvguard.guard(...) can be entered once; create a new one")
         self._entered = True
-        self._account.open(self._report_dir_option)
+        self._account.open()
         from kvguard._protect.protected import ProtectedSet
 
         self._protected = ProtectedSet(self.obj, self.name, self.keys, self.ignore, fingerprint=self.fingerprint)
@@ -178,7 +206,7 @@ class Guard:
         """A `GuardWarning` when the guard may have looked at nothing."""
         missing = [k for k in self.keys or () if k not in self.keys_seen]
         if missing:
-            self._warn(f"kvguard.guard({self.name}, {self._keys_from}): {', '.join(map(repr, missing))} never appeared "
+            self._warn(f"kvguard.guard({self.name}, {self.options.keys_from}): {', '.join(map(repr, missing))} never appeared "
                        f"in {self.name} (it held {_key_list(self.keys_seen)}); nothing was protected under "
                        f"{'that name' if len(missing) == 1 else 'those names'}", GuardWarning)
         elif self.protected_count == 0:
@@ -254,7 +282,7 @@ class Guard:
         if self._allowed(event):  # an intended write: it happens, counted once it has
             return
         self._account.event(event)
-        if self._keep is None or len(self.report.events) < self._keep:
+        if self.options.keep is None or len(self.report.events) < self.options.keep:
             self.report.events.append(event)
         else:
             self.report.cut += 1

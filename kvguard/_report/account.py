@@ -18,16 +18,16 @@ class CallAccount:
     "off") counts nowhere.
     """
 
-    def __init__(self, label: str) -> None:
+    def __init__(self, label: str, report_dir: Optional[str | os.PathLike[str]] = None) -> None:
         self.label = label
+        self._report_dir_option = report_dir  # the guard's report_dir= (None: KVGUARD_REPORT_DIR)
         self.report_dir: Optional[str] = None  # where the call's report files go, once opened
         self.call = 0  # the call's number in the process, once opened
         self._tallies: list[Tally] = []
 
-    def open(self, report_dir: Optional[str | os.PathLike[str]]) -> None:
-        """Count the call in the process's tally and in the report directory's (`report_dir`: the
-        guard's option; None is `KVGUARD_REPORT_DIR`)."""
-        writer = _files.open_writer(report_dir)
+    def open(self) -> None:
+        """Count the call in the process's tally and in its report directory's."""
+        writer = _files.open_writer(self._report_dir_option)
         self.report_dir = writer.directory if writer is not None else None
         self._tallies = [PROCESS.tally] + ([writer.tally] if writer is not None else [])
         self.call = PROCESS.tally.begin_call(self.label)
