@@ -127,5 +127,6 @@ def test_the_scaling_benchmark_runs_and_prints_a_row_per_size() -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [line.split(" | ") for line in proc.stdout.splitlines() if line[:1].isdigit()]
     assert [r[0] for r in rows] == ["49", "600"]
-    for _, per_write, per_placement in rows:
+    for _, per_write, per_placement, first_write in rows:
         float(per_write.replace(",", "")), float(per_placement.replace(",", ""))
+        assert float(first_write.replace(",", "")) > 0

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 
 from kvguard import _torch
+from kvguard._protect.collector import collector_paused
 from kvguard._protect.entries import Entry
 
 
@@ -35,11 +36,27 @@ class MemoryIndex:
             self._add(entries)
 
     def ensure(self, entries: Iterable[Entry]) -> None:
-        """Rebuild from `entries` (all of the set's) if the index is stale."""
-        if self.stale:
-            self.stale = False
-            self._groups, self.by_identity = {}, {}
-            self._add(entries)
+        """Rebuild from `entries` (all of the set's) if the index is stale: one sort per device,
+        with the collector paused, so that the first write after many tensors were protected
+        costs what sorting them costs (see `collector`)."""
+        if not self.stale:
+            return
+        with collector_paused():  # ~n tuples at once: no full collection over the process midway
+            self._build(entries)
+
+    def _build(self, entries: Iterable[Entry]) -> None:
+        self.stale = False
+        self.by_identity = {}
+        spans_of: dict[Any, list[tuple[int, int, int, Entry]]] = {}  # device -> (start, stop, order, entry)
+        for order, entry in enumerate(entries):
+            spans = entry.spans
+            if not spans:
+                tensor = entry.ref()
+                if tensor is not None:
+                    self.by_identity[id(tensor)] = entry
+            for span in spans:
+                spans_of.setdefault(span.device, []).append((span.start, span.stop, order, entry))
+        self._groups = {device: _Groups.of(spans) for device, spans in spans_of.items()}
 
     def _add(self, entries: Iterable[Entry]) -> None:
         for entry in entries:
@@ -124,6 +141,27 @@ class _Groups:
         self.stops: list[int] = []
         self.members: list[list[Entry]] = []
 
+    @classmethod
+    def of(cls, spans: list[tuple[int, int, int, Entry]]) -> _Groups:
+        """The groups of (start, stop, order, entry) spans in one sweep by start: ranges that
+        share a byte are one group, whose entries keep their `order` (the set's walk order)."""
+        groups = cls()
+        spans.sort(key=_start)
+        members: list[tuple[int, Entry]] = []
+        for start, stop, order, entry in spans:
+            if members and start < groups.stops[-1]:  # shares a byte with the group being built
+                groups.stops[-1] = max(groups.stops[-1], stop)
+            else:
+                if members:
+                    groups.members.append(_in_order(members))
+                groups.starts.append(start)
+                groups.stops.append(stop)
+                members = []
+            members.append((order, entry))
+        if members:
+            groups.members.append(_in_order(members))
+        return groups
+
     def add(self, start: int, stop: int, entry: Entry) -> None:
         i = bisect.bisect_right(self.stops, start)  # the first group that ends after `start`
         j = bisect.bisect_left(self.starts, stop)  # past the last one that starts before `stop`
@@ -145,3 +183,23 @@ class _Groups:
     def meets(self, lo: int, hi: int) -> bool:
         i = bisect.bisect_right(self.stops, lo)
         return i < len(self.starts) and self.starts[i] < hi
+
+
+def _start(span: tuple[int, int, int, Entry]) -> int:
+    return span[0]
+
+
+def _in_order(members: list[tuple[int, Entry]]) -> list[Entry]:
+    """A group's entries, each once, in the set's order."""
+    if len(members) == 1:
+        return [members[0][1]]
+    members.sort(key=_order)
+    out: list[Entry] = []
+    for _, entry in members:
+        if not out or out[-1] is not entry:  # an entry's spans sit next to each other once sorted
+            out.append(entry)
+    return out
+
+
+def _order(member: tuple[int, Entry]) -> int:
+    return member[0]
