@@ -130,3 +130,12 @@ def test_the_scaling_benchmark_runs_and_prints_a_row_per_size() -> None:
     for _, per_write, per_placement, first_write in rows:
         float(per_write.replace(",", "")), float(per_placement.replace(",", ""))
         assert float(first_write.replace(",", "")) > 0
+
+
+def test_the_depth_benchmark_runs_and_prints_its_row() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_depth.py"), "--tensors", "20",
+                           "--rounds", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (row,) = [line.split(" | ") for line in proc.stdout.splitlines() if line[:1].isdigit()]
+    assert row[0] == "60" and all(float(cell) > 0 for cell in row[1:])

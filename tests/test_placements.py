@@ -312,3 +312,36 @@ def test_a_renamed_key_or_attribute_is_named_where_it_is_now_at_a_boundary_too()
         b.numpy()[0] = 1.0  # found at the exit check
     assert [(e.path, e.detached) for e in g.report.events] == [
         ("rd['a2']", False), ("rd['exp'].kl3", False), ("rd['b']", False)]
+
+
+def test_a_placement_reads_each_caller_frame_once_however_many_tensors_it_brings(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Locating where 300 tensors were placed from 6 frames deep reads each frame's names once
+    (it read them once per tensor and frame: a trainer's deep stack made placements 5-30x)."""
+    from kvguard._protect import frames as _frames
+
+    reads: list[str] = []
+    real = _frames.frame_namespace
+
+    def counted(frame: Any) -> dict[str, Any]:
+        reads.append(frame.f_code.co_name)
+        return real(frame)
+    monkeypatch.setattr(_frames, "frame_namespace", counted)
+
+    def place(rd: dict[str, Any], depth: int) -> None:
+        logs: list[int] = []
+        logs.append(depth)  # a store in every frame: each one is searched
+        if depth:
+            return place(rd, depth - 1)
+        rd["adv"] = [torch.zeros(2) for _ in range(300)]  # MARK: batch placement
+        torch.zeros(1).add_(1)  # the look
+
+    rd: dict[str, Any] = {"obs": torch.zeros(2)}
+    with kvguard.guard(rd, name="rd", action="record") as g:
+        reads.clear()
+        place(rd, 5)
+        rd["adv"][7].add_(1)
+    assert len(reads) <= 12, reads  # at most one read per frame searched (the search stops at 12)
+    (event,) = g.report.events
+    assert event.path == "rd['adv'][7]"
+    assert event.placed_at == _site("batch placement")

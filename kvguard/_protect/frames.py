@@ -280,34 +280,63 @@ def placement_site(frames: list[types.FrameType], chain: tuple[tuple[Any, Any], 
     into any of those containers, preferring a line at or before the frame's current
     line, then one whose stored value names the tensor (or a container on its way:
     `q.appendleft(t)`, `rd["b"] = {"deep": [t]}`) over branches not taken, then the
-    right key.
+    right key. For many tensors placed at once, `Placements` reads each frame once.
     """
-    for frame in frames[:_MAX_FRAMES]:
-        found = _placement_in_frame(frame, chain, placed)
-        if found is not None:
-            return found
-    return None
+    return Placements(frames).site(chain, placed)
 
 
-def _placement_in_frame(frame: types.FrameType, chain: tuple[tuple[Any, Any], ...], placed: Any) -> Optional[Site]:
-    stores = _stores_in(frame.f_code)
-    if not stores:
+# A frame's stores by the object they store into: id -> [(store's position, store, object)].
+_StoresByObject = dict[int, list[tuple[int, "_Store", Any]]]
+
+
+class Placements:
+    """`placement_site` for the tensors one look protects: each frame's names and stores are
+    read once, at the first tensor that needs them, not once per tensor (a deep caller's
+    stack holds many frames, each with many stores; a placement may bring thousands)."""
+
+    def __init__(self, frames: list[types.FrameType]) -> None:
+        self._frames = frames[:_MAX_FRAMES]
+        self._read: list[Optional[tuple[types.FrameType, dict[str, Any], _StoresByObject]]] = [None] * len(self._frames)
+
+    def site(self, chain: tuple[tuple[Any, Any], ...], placed: Any = _ANY) -> Optional[Site]:
+        for i in range(len(self._frames)):
+            frame, namespace, by_object = self._frame(i)
+            found = _placement_in_frame(frame, namespace, by_object, chain, placed) if by_object else None
+            if found is not None:
+                return found
         return None
-    namespace = frame_namespace(frame)
+
+    def _frame(self, i: int) -> tuple[types.FrameType, dict[str, Any], _StoresByObject]:
+        read = self._read[i]
+        if read is None:
+            frame = self._frames[i]
+            stores = _stores_in(frame.f_code)
+            namespace = frame_namespace(frame) if stores else {}
+            by_object: _StoresByObject = {}
+            for n, store in enumerate(stores):
+                obj = namespace.get(store[1], _ANY)
+                if obj is not _ANY:
+                    by_object.setdefault(id(obj), []).append((n, store, obj))
+            read = self._read[i] = (frame, namespace, by_object)
+        return read
+
+
+def _placement_in_frame(frame: types.FrameType, namespace: dict[str, Any], by_object: _StoresByObject,
+                        chain: tuple[tuple[Any, Any], ...], placed: Any) -> Optional[Site]:
+    # The stores into a container of the chain, in the frame's store order, then the chain's.
+    candidates = sorted((n, depth, store) for depth, (container, _) in enumerate(chain)
+                        for n, store, obj in by_object.get(id(container), ()) if obj is container)
     best: Optional[tuple[tuple[int, int, int, int], int]] = None
-    for lineno, name, key, values in stores:
-        obj = namespace.get(name, _ANY)
-        for depth, (container, chain_key) in enumerate(chain):
-            if obj is not container:
-                continue
-            key_score = 2 if key is not _ANY and _same_key(key, chain_key) else (1 if key is _ANY else 0)
-            if key_score == 0:
-                continue
-            names_it = int(any(_is_on_the_way(namespace.get(v, _ANY), chain, depth, placed) for v in values))
-            score = (int(lineno <= frame.f_lineno), names_it, key_score,
-                     lineno if lineno <= frame.f_lineno else -lineno)
-            if best is None or score > best[0]:
-                best = (score, lineno)
+    for _, depth, (lineno, _name, key, values) in candidates:
+        chain_key = chain[depth][1]
+        key_score = 2 if key is not _ANY and _same_key(key, chain_key) else (1 if key is _ANY else 0)
+        if key_score == 0:
+            continue
+        names_it = int(any(_is_on_the_way(namespace.get(v, _ANY), chain, depth, placed) for v in values))
+        score = (int(lineno <= frame.f_lineno), names_it, key_score,
+                 lineno if lineno <= frame.f_lineno else -lineno)
+        if best is None or score > best[0]:
+            best = (score, lineno)
     if best is None:
         return None
     filename = frame.f_code.co_filename

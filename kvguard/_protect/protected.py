@@ -226,9 +226,10 @@ class ProtectedSet:
         """Protect newly reached tensors: their records (memory, layout, digest) in one batch."""
         records = _records.describe([leaf.tensor for leaf in leaves], self._fingerprint, self._compiled)
         on_death, entries = self._on_death, self._entries
+        placements = None if frames is None else _frames.Placements(frames)  # each frame read once
         added = []
         for leaf, record in zip(leaves, records):
-            placed_at = None if frames is None else _placed_at(frames, leaf.chain, leaf.tensor)
+            placed_at = None if placements is None else _placed_at(placements, frames, leaf.chain, leaf.tensor)
             entry = entries[id(leaf.tensor)] = Entry(leaf.path, record, weakref.ref(leaf.tensor, on_death), placed_at)
             added.append(entry)
         self.protected_count += len(leaves)
@@ -380,8 +381,9 @@ class ProtectedSet:
         self._reached = {}
 
 
-def _placed_at(frames: list[Any], chain: tuple[tuple[Any, Any], ...], tensor: torch.Tensor) -> str:
-    site = _frames.placement_site(frames, chain, tensor)
+def _placed_at(placements: _frames.Placements, frames: Any, chain: tuple[tuple[Any, Any], ...],
+               tensor: torch.Tensor) -> str:
+    site = placements.site(chain, tensor)
     if site is not None:
         return site.short
     first = _frames.site_of(frames[0] if frames else None)
