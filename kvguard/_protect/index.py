@@ -49,27 +49,26 @@ class MemoryIndex:
         self.by_identity = {}
         spans_of: dict[Any, list[tuple[int, int, int, Entry]]] = {}  # device -> (start, stop, order, entry)
         for order, entry in enumerate(entries):
-            spans = entry.spans
-            if not spans:
-                tensor = entry.ref()
-                if tensor is not None:
-                    self.by_identity[id(tensor)] = entry
-            for span in spans:
+            for span in self._spans(entry):
                 spans_of.setdefault(span.device, []).append((span.start, span.stop, order, entry))
         self._groups = {device: _Groups.of(spans) for device, spans in spans_of.items()}
 
     def _add(self, entries: Iterable[Entry]) -> None:
         for entry in entries:
-            spans = entry.spans
-            if not spans:
-                tensor = entry.ref()
-                if tensor is not None:
-                    self.by_identity[id(tensor)] = entry
-            for span in spans:
+            for span in self._spans(entry):
                 groups = self._groups.get(span.device)
                 if groups is None:
                     groups = self._groups[span.device] = _Groups()
                 groups.add(span.start, span.stop, entry)
+
+    def _spans(self, entry: Entry) -> list[_torch.Span]:
+        """The entry's byte spans; an entry with none (no readable memory) is found by identity."""
+        spans = entry.spans
+        if not spans:
+            tensor = entry.ref()
+            if tensor is not None:
+                self.by_identity[id(tensor)] = entry
+        return spans
 
     def may_touch(self, written: Sequence[torch.Tensor]) -> bool:
         """Whether any of `written` may touch protected memory: its whole storage meets a group
