@@ -271,34 +271,36 @@ def drop_internal_frames(exc: BaseException) -> None:
     exc.__traceback__ = kept[0]
 
 
-def placement_site(frames: list[types.FrameType], chain: tuple[tuple[Any, Any], ...],
-                   placed: Any = _ANY) -> Optional[Site]:
-    """The statement that put a tensor where `chain` says it is, if the source shows it.
-
-    `chain` lists `(container, key)` from the guarded object down to the tensor
-    `placed`. The search looks at the given user frames, innermost first, for a store
-    into any of those containers, preferring a line at or before the frame's current
-    line, then one whose stored value names the tensor (or a container on its way:
-    `q.appendleft(t)`, `rd["b"] = {"deep": [t]}`) over branches not taken, then the
-    right key. For many tensors placed at once, `Placements` reads each frame once.
-    """
-    return Placements(frames).site(chain, placed)
-
-
 # A frame's stores by the object they store into: id -> [(store's position, store, object)].
 _StoresByObject = dict[int, list[tuple[int, "_Store", Any]]]
 
 
 class Placements:
-    """`placement_site` for the tensors one look protects: each frame's names and stores are
-    read once, at the first tensor that needs them, not once per tensor (a deep caller's
-    stack holds many frames, each with many stores; a placement may bring thousands)."""
+    """Where the tensors one look protects were placed, searched in the user frames given.
+
+    For a tensor that `chain` (`(container, key)` from the guarded object down to it)
+    reaches, the search looks at the frames, innermost first, for a store into any of
+    those containers, preferring a line at or before the frame's current line, then one
+    whose stored value names the tensor (or a container on its way: `q.appendleft(t)`,
+    `rd["b"] = {"deep": [t]}`) over branches not taken, then the right key. Each frame's
+    names and stores are read once, at the first tensor that needs them, not once per
+    tensor: a deep caller's stack holds many frames with many stores, and a placement
+    may bring thousands of tensors.
+    """
 
     def __init__(self, frames: list[types.FrameType]) -> None:
         self._frames = frames[:_MAX_FRAMES]
         self._read: list[Optional[tuple[types.FrameType, dict[str, Any], _StoresByObject]]] = [None] * len(self._frames)
 
+    def placed_at(self, chain: tuple[tuple[Any, Any], ...], placed: Any) -> str:
+        """`file.py:LINE` of the statement that placed it; else of the innermost frame, "(first seen)"."""
+        site = self.site(chain, placed)
+        if site is not None:
+            return site.short
+        return f"{site_of(self._frames[0] if self._frames else None).short} (first seen)"
+
     def site(self, chain: tuple[tuple[Any, Any], ...], placed: Any = _ANY) -> Optional[Site]:
+        """The statement that put `placed` where `chain` says it is, if the source shows it."""
         for i in range(len(self._frames)):
             frame, namespace, by_object = self._frame(i)
             found = _placement_in_frame(frame, namespace, by_object, chain, placed) if by_object else None

@@ -229,7 +229,7 @@ class ProtectedSet:
         placements = None if frames is None else _frames.Placements(frames)  # each frame read once
         added = []
         for leaf, record in zip(leaves, records):
-            placed_at = None if placements is None else _placed_at(placements, frames, leaf.chain, leaf.tensor)
+            placed_at = None if placements is None else placements.placed_at(leaf.chain, leaf.tensor)
             entry = entries[id(leaf.tensor)] = Entry(leaf.path, record, weakref.ref(leaf.tensor, on_death), placed_at)
             added.append(entry)
         self.protected_count += len(leaves)
@@ -379,12 +379,3 @@ class ProtectedSet:
         self._memory.clear()
         self._watcher.close()
         self._reached = {}
-
-
-def _placed_at(placements: _frames.Placements, frames: Any, chain: tuple[tuple[Any, Any], ...],
-               tensor: torch.Tensor) -> str:
-    site = placements.site(chain, tensor)
-    if site is not None:
-        return site.short
-    first = _frames.site_of(frames[0] if frames else None)
-    return f"{first.short} (first seen)"
