@@ -34,7 +34,8 @@ def resolve(action: Optional[str], level: Optional[str], fingerprint: Optional[b
     settings = _settings_for(target)
     checked_action = check_action("raise" if action is None else action, "kvguard.guard(action=...)")
     checked_level = parse_level(level, "kvguard.guard(level=...)") if level is not None else settings.level or "full"
-    fingerprints = _fingerprint_default(settings) if fingerprint is None else bool(fingerprint)
+    # On unless given off, or KVGUARD_FINGERPRINT says 0/off/false/no.
+    fingerprints = settings.fingerprint is not False if fingerprint is None else bool(fingerprint)
     if checked_level == "light" and not fingerprints:
         raise ConfigError(f"kvguard.guard(level='light') finds changes by value fingerprints only; it cannot run "
                           f"with {'fingerprint=False' if fingerprint is not None else 'KVGUARD_FINGERPRINT=0'}"
@@ -60,12 +61,6 @@ def _as_keys(keys: Any, what: str) -> Optional[tuple[Any, ...]]:
         return tuple(keys)
     except TypeError:
         raise TypeError(f"kvguard.guard({what}=...) takes a key or a collection of keys, got {keys!r}") from None
-
-
-def _fingerprint_default(settings: Optional[GuardDefaults] = None) -> bool:
-    """On, unless `KVGUARD_FINGERPRINT` says 0/off/false/no."""
-    settings = settings if settings is not None else guard_defaults()
-    return settings.fingerprint is not False
 
 
 def _settings_for(target: Optional[str]) -> GuardDefaults:
