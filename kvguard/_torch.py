@@ -82,6 +82,7 @@ class OpFacts(NamedTuple):
     kind: str  # "write", "metadata" (inplace_view) or "repoint" (set_, resize_)
     self_only: bool = False  # writes exactly its first positional `Tensor` argument
     resizes: bool = False  # an `out=` op: it may resize (and so write) an empty argument
+    uncounted: bool = False  # writes arguments its schema does not mark: no version counter sees those
 
 
 NO_WRITES = OpFacts((), "write")
@@ -129,7 +130,7 @@ def _learn(func: Any) -> OpFacts:
         kind = "write"
     self_only = (len(written) == 1 and written[0].position == 0 and not written[0].kwarg_only
                  and str(schema.arguments[0].type) == "Tensor")
-    return OpFacts(written, kind, self_only, any(a.kwarg_only for a in written))
+    return OpFacts(written, kind, self_only, any(a.kwarg_only for a in written), undeclared is not None)
 
 
 def written_tensors(facts: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -813,3 +814,75 @@ def pytree() -> Any:
 def cxx11_abi() -> int:
     """The `_GLIBCXX_USE_CXX11_ABI` torch was built with, for compiling against it."""
     return int(torch._C._GLIBCXX_USE_CXX11_ABI)
+
+
+# -- autograd's saved tensors (`kvguard._protect.saved`) ------------------------------------
+
+def other_saved_tensors_hooks() -> bool:
+    """Whether `saved_tensors_hooks` of someone else's are active on this thread (`save_on_cpu`,
+    activation checkpointing, `allow_mutation_on_saved_tensors`, offloading): then they, not
+    the tensors, are what backward reads."""
+    import torch.autograd.graph as graph
+
+    return bool(torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+                or getattr(graph, "_allow_mutation_on_saved_tensors_enabled", False))
+
+
+def current_autograd_node() -> Any:
+    """The backward node running now on this thread (None outside backward)."""
+    return torch._C._current_autograd_node()
+
+
+def saved_slots(node: Any) -> list[tuple[str, Any]]:
+    """(slot, what was packed) for each tensor `node` saved for backward, read without unpacking.
+
+    A `SavedTensor`'s `.data` is the pack hook's result when a hook packed it: reading it runs
+    no unpack hook (no checkpoint recomputation, no copy back from the CPU).
+    """
+    names = _SAVED_NAMES.get(type(node))
+    if names is None:
+        names = _SAVED_NAMES[type(node)] = tuple(n for n in dir(type(node)) if n.startswith("_raw_saved_"))
+    found: list[tuple[str, Any]] = []
+    for name in names:
+        try:
+            raw = getattr(node, name)
+        except Exception:  # noqa: BLE001 - freed by a backward already run
+            continue
+        slot = "saved_tensors" if name == "_raw_saved_tensors" and isinstance(
+            node, torch.autograd.function.BackwardCFunction) else name[len("_raw_saved_"):]
+        for i, saved in enumerate(raw) if isinstance(raw, (list, tuple)) else ((None, raw),):
+            try:
+                data = saved.data
+            except Exception:  # noqa: BLE001
+                continue
+            found.append((slot if i is None else f"{slot}[{i}]", data))
+    return found
+
+
+_SAVED_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def next_nodes(node: Any) -> list[Any]:
+    """The nodes `node` feeds gradients to (its inputs' grad_fns and accumulators)."""
+    try:
+        return [n for n, _ in node.next_functions if n is not None]
+    except Exception:  # noqa: BLE001
+        return []
+
+
+def shares_version_counter(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a write to `a` bumps the version counter `b` reads (views of one base share one).
+
+    Asked by bumping `a`'s counter and setting it back: the counters end as they were.
+    """
+    try:
+        if a.is_inference() or b.is_inference():
+            return False
+        before_a, before_b = a._version, b._version
+        torch.autograd.graph.increment_version(a)
+        try:
+            return bool(b._version != before_b)
+        finally:
+            torch._C._autograd._unsafe_set_version_counter((a,), (before_a,))
+    except Exception:  # noqa: BLE001 - a subclass without a counter
+        return False

@@ -114,17 +114,21 @@ class WriteJudge:
         no write). Engines call it through `judge_all`.
         """
         protected = self.protected
+        if facts.uncounted and not protected.judges_uncounted:
+            return None
         hit = protected.written_entries(written, facts.kind, facts.resizes)
         if not hit or (func is _COPY and is_self_copy(args)):
             return None
         protected.settle()  # the report names every path to the tensor, as of now
         site = _frames.user_site()
+        counter_only = protected.counter_only  # saved tensors whose version counter alone it bumps
         for entry in protected.drifted(hit):  # changed since the last look, by nothing we saw:
             self.on_event(unobserved_event(entry, protected.tensor_of(entry), site, DRIFT_DIFF,
                                            before="(a digest)"), True)  # too late to stop: never raised
         if self.block:
             for entry in hit:
-                self.on_event(self._event(func, facts.kind, entry, site, blocked=True), not stop)
+                self.on_event(self._event(func, _kind(facts, entry, counter_only), entry, site, blocked=True),
+                              not stop)
             if not stop:
                 return None
             # The callback chose not to stop the write: fall through and report it.
@@ -133,7 +137,7 @@ class WriteJudge:
         copies: dict[int, _Copy] = {}
         if facts.kind == "write":
             windows = _torch.write_windows(written)
-            for entry in hit:
+            for entry in (e for e in hit if id(e) not in counter_only):
                 tensor = protected.tensor_of(entry)
                 if tensor is not None:
                     ranges = _torch.flat_ranges(tensor, windows)
@@ -148,13 +152,13 @@ class WriteJudge:
             for entry in landed:
                 if facts.kind != "write":
                     protected.relayout(entry)
-                self.on_event(self._event(func, facts.kind, entry, site, blocked=False,
+                self.on_event(self._event(func, _kind(facts, entry, counter_only), entry, site, blocked=False,
                                           before_meta=before_meta.get(id(entry)), copy=copies.pop(id(entry), None)))
 
         def stopped() -> None:
             copies.clear()  # nothing landed
             for entry in hit:
-                self.on_event(self._event(func, facts.kind, entry, site, blocked=True), True)
+                self.on_event(self._event(func, _kind(facts, entry, counter_only), entry, site, blocked=True), True)
         return PendingWrite(after, stopped)
 
     def on_swap(self, t1: torch.Tensor, t2: torch.Tensor) -> Callable[[bool], None]:
@@ -193,6 +197,9 @@ class WriteJudge:
             before = META_VALUES if _is_meta(tensor) else _values(tensor)
             after = None
             diff = "not applied: raised before the write, the data is intact"
+        elif kind == "version":
+            before = after = _values(tensor)
+            diff = "no saved element changed"
         elif kind == "write" and _is_meta(tensor):
             before = after = META_VALUES
             diff = META_DIFF
@@ -212,12 +219,20 @@ class WriteJudge:
             after = described
             diff = "metadata only: the values were not written" if kind == "metadata" else (
                 "the tensor now refers to other memory (its values are no longer the guarded ones)")
-        return MutationEvent(
+        event = MutationEvent(
             path=entry.path, op=_torch.short_op_name(func), kind=kind, blocked=blocked,
             filename=site.filename, lineno=site.lineno, code=site.code, function=site.function,
             placed_at=entry.placed_at, tensor=described, before=before, after=after, diff=diff,
             aliases=tuple(entry.aliases), detached=entry.detached,
         )
+        self.protected.note(entry, f"{event.op} at {event.site} ({event.code})"
+                            + (", its version counter only" if kind == "version" else "")
+                            + (", stopped before it ran" if blocked else ""))
+        return event
+
+
+def _kind(facts: _torch.OpFacts, entry: Entry, counter_only: frozenset[int]) -> str:
+    return "version" if id(entry) in counter_only else facts.kind
 
 
 def unobserved_event(entry: Entry, tensor: Optional[torch.Tensor], site: _frames.Site, diff: str,

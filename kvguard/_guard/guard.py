@@ -119,14 +119,18 @@ class Guard:
             raise RuntimeError("a kvguard.guard(...) can be entered once; create a new one")
         self._entered = True
         self._account.open()
-        from kvguard._protect.protected import ProtectedSet
-
-        self._protected = ProtectedSet(self.obj, self.name, self.keys, self.ignore, fingerprint=self.fingerprint)
+        self._protected = self._new_protected()
         self._watch_ops()
         self.engine = self._attachment.engine if self._attachment is not None else None
         self._thread = threading.get_ident()
         allow_boundaries.append(self._allow_boundary)
         return self
+
+    def _new_protected(self) -> Any:
+        """The protected set this guard judges writes against (`guard_autograd` has its own)."""
+        from kvguard._protect.protected import ProtectedSet
+
+        return ProtectedSet(self.obj, self.name, self.keys, self.ignore, fingerprint=self.fingerprint)
 
     def _allow_boundary(self) -> None:
         """A `kvguard.allow` block begins or ends on this guard's thread: a boundary check then.

@@ -3,6 +3,7 @@
 `protected` composes it; `tree` walks a guarded object to its tensors with their paths,
 `frames` finds the user's frame behind an op and the statement that placed a tensor,
 `records` reads what an entry keeps of its tensor (spans, layout, digest) and `digest`
-fingerprints values. Below the guard and the engines; imports only `_native`, reporting
+fingerprints values; `saved` is the set of what autograd saved for backward
+(`guard_autograd`). Below the guard and the engines; imports only `_native`, reporting
 and the leaves. `tree` and `frames` import no torch (the pytest plugin uses them).
 """

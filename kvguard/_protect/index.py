@@ -104,6 +104,20 @@ class MemoryIndex:
                         found.append(entry)
         return found
 
+    def in_storage_of(self, tensor: torch.Tensor) -> list[Entry]:
+        """The entries whose memory lies in `tensor`'s storage (strided tensors; none for others)."""
+        try:
+            storage = tensor.untyped_storage()
+            lo = storage.data_ptr()
+            hi = lo + storage.nbytes()
+            groups = self._groups.get(tensor.device)
+        except Exception:  # noqa: BLE001 - sparse and other storage-less tensors
+            return []
+        found: list[Entry] = []
+        for members in groups.meeting(lo, hi) if groups is not None and lo else ():
+            found += [e for e in members if e not in found]
+        return found
+
     def clear(self) -> None:
         self._groups, self.by_identity, self.stale = {}, {}, False
 

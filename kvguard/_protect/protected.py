@@ -30,6 +30,13 @@ from kvguard._protect.watch import Watcher
 class ProtectedSet:
     """Maps written memory to protected entries; learns about newly placed tensors."""
 
+    # Entries of the last `written_entries` whose elements the write misses but whose version
+    # counter it bumps: only autograd's saved tensors have such (`saved.SavedSet`).
+    counter_only: frozenset[int] = frozenset()
+    # Whether writes that no version counter sees (`OpFacts.uncounted`: batch norm's running
+    # statistics) concern this set: not for autograd's, whose check never sees them either.
+    judges_uncounted = True
+
     def __init__(self, root: Any, name: str, keys: Optional[Collection[Any]], ignore: Collection[Any],
                  fingerprint: bool = True) -> None:
         self._entries: dict[int, Entry] = {}
@@ -361,6 +368,9 @@ class ProtectedSet:
             return [entry] if entry is not None else []
         self._memory.ensure(self._entries.values())
         return self._memory.hits(written, resizes)
+
+    def note(self, entry: Entry, what: str) -> None:
+        """A write to `entry` was reported (`what`: op, line, code); kept where someone needs it later."""
 
     def tensor_of(self, entry: Entry) -> Optional[torch.Tensor]:
         return entry.ref()

@@ -17,7 +17,8 @@ class MutationEvent:
 
         ev.path       "rollout_data['kl'][0]"
         ev.op         "aten.mul_.Tensor"
-        ev.kind       "write" | "metadata" | "repoint" | "unobserved"
+        ev.kind       "write" | "metadata" | "repoint" | "unobserved" | "version"
+                      ("version": a tensor autograd saved, whose version counter alone the write bumps)
         ev.filename   "/src/loss.py";  ev.lineno 212;  ev.code "k *= kl_coef"
         ev.placed_at  "loss.py:201" (None when the tensor was there before the guard began)
     """
@@ -51,6 +52,9 @@ class MutationEvent:
                 f"(found by a boundary check, at guard exit or g.check(), {self.site})"
             )
         verb = "would be" if self.blocked else "was"
+        if self.kind == "version":
+            return (f"{self.path}'s version counter {verb} bumped by {self.op} at {self.site} "
+                    "(no saved element changed)")
         what = {
             "write": "modified in place",
             "metadata": "reshaped in place (metadata only)",
@@ -93,6 +97,11 @@ class GuardReport:
         return rich_report(self)
 
 
+SAVED_PREFIX = "<saved by "  # how a tensor autograd saved is named: "<saved by SigmoidBackward0: result>"
+SAVED_WRITE = ("autograd saved this tensor for backward, which would raise 'modified by an inplace operation' "
+               "after this write")
+SAVED_COUNTER = ("no saved element changed, but this write bumps the version counter that autograd checks; "
+                 "backward will raise 'modified by an inplace operation'")
 MAX_EVENT_CHARS = 3000  # leaves room for a panel's frame and a rank tag under 4 KiB
 MAX_VALUE_CHARS = 400  # one detail line of a panel
 MAX_EVENTS_SHOWN = 20
@@ -106,12 +115,15 @@ def event_details(ev: MutationEvent) -> list[tuple[str, str]]:
         rows.append(("also at", ", ".join(ev.aliases)))
     if ev.detached:
         rows.append(("note", "no longer in the guarded object; protected since it was there"))
+    saved = ev.path.startswith(SAVED_PREFIX)
     if ev.placed_at:
-        rows.append(("placed", ev.placed_at))
+        rows.append(("saved at" if saved else "placed", ev.placed_at))
+    if saved:
+        rows.append(("backward", SAVED_COUNTER if ev.kind == "version" else SAVED_WRITE))
     if ev.blocked:
         rows += [("values", ev.before), ("action", "raised before the write; the data is intact"),
                  ("hint", HINT)]
-    elif ev.kind == "write":
+    elif ev.kind in ("write", "version"):
         rows += [("before", ev.before), ("after", ev.after or ""), ("changed", ev.diff)]
     else:
         rows += [("before", ev.before), ("after", ev.after or ""), ("note", ev.diff)]

@@ -1,0 +1,99 @@
+"""`guard_autograd()`: protect what autograd saved for backward, with no tensor named.
+
+A `Guard` whose protected set is `kvguard._protect.saved.SavedSet`, fed by a pair of
+`saved_tensors_hooks` installed for the block. Where other saved-tensor hooks are already
+active (`save_on_cpu`, checkpointing, `allow_mutation_on_saved_tensors`), backward reads
+what they kept, not the tensors: the guard installs nothing and protects nothing, and
+says so. Hooks installed inside the block take over for their own stretch, as they
+would without kvguard.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Collection, Literal, Optional
+
+from kvguard._errors import GuardWarning
+from kvguard._guard.guard import Guard
+
+
+class AutogradGuard(Guard):
+    """A guard over every tensor saved for backward while it is active. Use `guard_autograd()`."""
+
+    def __init__(self, *, name: Optional[str] = None, action: Optional[str] = "raise",
+                 allow: Optional[Collection[str]] = None, report_dir: Optional[str | os.PathLike[str]] = None,
+                 target: Optional[str] = None) -> None:
+        super().__init__([], name=name or "autograd", action=action, allow=allow, report_dir=report_dir,
+                         target=target, level="full", fingerprint=False)
+        self.delegated = False  # other saved-tensor hooks were active: nothing protected
+        self._hooks: Any = None
+        self.graphs = 0  # forward passes that saved tensors under the guard (set at exit)
+
+    def _new_protected(self) -> Any:
+        from kvguard._protect.saved import SavedSet
+
+        return SavedSet(self.name)
+
+    def __enter__(self) -> AutogradGuard:
+        from kvguard import _torch
+
+        self.delegated = _torch.other_saved_tensors_hooks()
+        super().__enter__()
+        if not self.delegated:
+            import torch
+
+            saved = self._protected
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack)
+            self._hooks.__enter__()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+        if self._protected is not None:
+            self.graphs = self._protected.graphs
+        return super().__exit__(exc_type, exc, tb)
+
+    def _warn_if_blind(self) -> None:
+        if self.delegated:
+            self._warn("kvguard.guard_autograd() protected no tensor: other saved_tensors_hooks were active when "
+                       "it began (save_on_cpu, checkpointing, allow_mutation_on_saved_tensors, offloading), so "
+                       "backward reads what they kept; enter guard_autograd outside them", GuardWarning)
+        elif self.protected_count == 0:
+            self._warn("kvguard.guard_autograd() protected no tensor: no op saved one for backward while it was "
+                       "active (torch.no_grad(), inference_mode, or no tensor requiring grad?)", GuardWarning)
+
+    def __repr__(self) -> str:
+        return super().__repr__().replace("kvguard.guard ", "kvguard.guard_autograd ", 1)
+
+
+def guard_autograd(*, action: str = "raise", name: Optional[str] = None, allow: Optional[Collection[str]] = None,
+                   report_dir: Optional[str | os.PathLike[str]] = None) -> AutogradGuard:
+    """Protect every tensor an op saves for backward while the `with` block runs.
+
+    From the moment it is saved until the backward that needs it has run (or its graph is
+    freed), a write to a saved tensor is reported at the writing line, like any kvguard
+    event: its path names the saving node and slot (`<saved by SigmoidBackward0: result>`),
+    `placed_at` the forward line that saved it. A write that changes no saved element but
+    bumps the version counter a saved tensor shares (a sibling slice of its base) is
+    reported with `kind="version"`: backward would fail on it just the same. Under
+    "raise" both are stopped before the write, so backward still works.
+
+    Autograd's own check stays on: a write let through ("warn", "record") still makes
+    backward raise "modified by an inplace operation", now with the write kvguard saw.
+
+    Args:
+        action: "raise", "warn" or "record", as for `kvguard.guard`.
+        name: how reports name the guard; default "autograd".
+        allow: paths whose writes are intended (`"<saved by SigmoidBackward0: *"` style
+            patterns, as reports print them).
+        report_dir: write report files here; default: none (`KVGUARD_REPORT_DIR`).
+
+    Example::
+
+        with kvguard.guard_autograd(action="raise") as g:
+            loss = compute_loss(model(batch))
+            loss.backward()
+    """
+    return AutogradGuard(name=name, action=action, allow=allow, report_dir=report_dir)

@@ -1,0 +1,283 @@
+"""What autograd saved for backward, as a protected set: `guard_autograd`'s tensors.
+
+A pair of `saved_tensors_hooks` sees every tensor an op saves (aten ops, custom
+Functions' `save_for_backward`, checkpoint inputs). The pack hook keeps a `Saved`: the
+tensor detached (the same memory and version counter, without a reference back to its
+`grad_fn`, so no cycle keeps a graph alive), its version, and the forward line that saved
+it. The tensor is protected for as long as autograd holds the `Saved`: until the backward
+that needs it has run, or its graph is freed.
+
+Installing hooks switches PyTorch's own version check off, so the unpack hook makes it
+itself, with PyTorch's words and kvguard's explanation added. Which node saved a tensor is
+found only when a report names it, by a walk of the graph from recently saved tensors and
+the caller's variables that reads each node's saved slots without unpacking them.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import threading
+import types
+import weakref
+from typing import Any, Optional, Sequence
+
+import torch
+
+from kvguard import _torch
+from kvguard._protect import frames as _frames
+from kvguard._protect.entries import Entry
+from kvguard._protect.protected import ProtectedSet
+from kvguard._report.events import SAVED_PREFIX
+
+FLUSH_EVERY = 256  # saved tensors waiting for the next look at most (a forward with no write op)
+MAX_WALK = 200_000  # nodes a search for savers visits at most
+_ROOTS = 64  # recently saved tensors kept (weakly) as starting points of that search
+TORCH_CHECK = ("one of the variables needed for gradient computation has been modified by an inplace "
+               "operation")
+TORCH_HINT = ("Hint: the backtrace further above shows the operation that failed to compute its gradient. "
+              "The variable in question was changed in there or anywhere later. Good luck!")
+
+
+class Saved:
+    """What one pack kept: the tensor autograd reads back, its version then, where it was saved."""
+
+    __slots__ = ("tensor", "version", "site", "saver", "writes", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, site: Optional[str]) -> None:
+        self.tensor = tensor.detach()  # shares memory and version counter; no grad_fn: no cycle
+        self.version = tensor._version
+        self.site = site
+        self.saver: Optional[str] = None  # "SigmoidBackward0: result", once a report needed it
+        self.writes: list[str] = []  # the writes kvguard reported on it, for backward's error
+
+    def path(self) -> str:
+        return f"{SAVED_PREFIX}{self.saver}>" if self.saver else f"{SAVED_PREFIX}a node not found>"
+
+
+class SavedSet(ProtectedSet):
+    """The tensors autograd saved while the guard's hooks were installed, as protected entries.
+
+    `pack` and `unpack` are the hooks. Packs wait in a list the write hook watches like a
+    guarded container, so the next write op (or the next boundary) protects them in one batch.
+    """
+
+    # Batch norm's running statistics are saved and then updated by the same op; a
+    # training-mode backward never reads them, and autograd's check never counts the update.
+    judges_uncounted = False
+
+    def __init__(self, name: str, fingerprint: bool = False) -> None:
+        self._pending: list[Saved] = []
+        self._saved: dict[int, weakref.ref[Saved]] = {}  # id(saved.tensor) -> its Saved
+        self._roots: collections.deque[weakref.ref[torch.Tensor]] = collections.deque(maxlen=_ROOTS)
+        self._thread = threading.get_ident()
+        self.counter_only: frozenset[int] = frozenset()
+        self.graphs = 0  # forward passes: packs that began with nothing saved alive
+        self.closed = False
+        super().__init__(self._pending, name, None, (), fingerprint=fingerprint)
+
+    # -- the hooks -------------------------------------------------------------------
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        if self.closed:
+            return tensor.detach()
+        site = _site(sys._getframe(1))
+        saved = Saved(tensor, site)
+        if not self._entries and not self._pending:
+            self.graphs += 1
+        self._pending.append(saved)
+        if tensor.grad_fn is not None:
+            self._roots.append(weakref.ref(tensor))
+        if len(self._pending) >= FLUSH_EVERY and threading.get_ident() == self._thread:
+            self._flush()
+        return saved
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if type(saved) is not Saved:
+            return saved  # type: ignore[no-any-return]  # packed after the guard closed
+        tensor = saved.tensor
+        if tensor._version != saved.version:
+            raise RuntimeError(self._version_error(saved))
+        return tensor
+
+    def _version_error(self, saved: Saved) -> str:
+        """PyTorch's words for a saved tensor written since, then what kvguard saw."""
+        tensor = saved.tensor
+        node = _torch.current_autograd_node()
+        name = type(node).__name__ if node is not None else "its node"
+        head = (f"{TORCH_CHECK}: [{_type_text(tensor)} {list(tensor.shape)}], which {name} saved, is at version "
+                f"{tensor._version}; expected version {saved.version} instead. {TORCH_HINT}")
+        where = f" at {saved.site}" if saved.site else ""
+        if saved.writes:
+            said = "; ".join(dict.fromkeys(saved.writes))
+            return f"{head}\n\nkvguard: the tensor {name} saved{where} was written by {said}"
+        return (f"{head}\n\nkvguard: the tensor {name} saved{where} was written where kvguard did not watch: "
+                "after guard_autograd ended, on another thread, or by code no dispatched op shows")
+
+    # -- entries ---------------------------------------------------------------------
+
+    def look(self) -> None:
+        if self._dirty:
+            self._forget_dead()
+        if self._pending:
+            self._flush()
+
+    def _flush(self) -> None:
+        pending = self._pending[:]
+        self._pending.clear()  # the watch compares it with an empty snapshot again
+        records = self._describe([s.tensor for s in pending])
+        on_death, entries, saved_of = self._on_death, self._entries, self._saved
+        added = []
+        for saved, record in zip(pending, records):
+            key = id(saved.tensor)
+            entry = entries[key] = Entry(SAVED_PREFIX + "…>", record, weakref.ref(saved.tensor, on_death),
+                                         saved.site)
+            saved_of[key] = weakref.ref(saved)
+            added.append(entry)
+        self.protected_count += len(added)
+        self._rebuild_index(added)
+
+    def _describe(self, tensors: list[torch.Tensor]) -> list[Any]:
+        from kvguard._protect import records as _records
+
+        return _records.describe(tensors, self._fingerprint, self._compiled)
+
+    def _scan_now(self, frames: Optional[list[Any]]) -> None:
+        self._dirty = False
+        if not self._watcher.watching:
+            self._watcher.walk_all()  # the pending list, empty: what the write hook compares
+        if self._pending:
+            self._flush()
+        if self._drop_dead():
+            self._rebuild_index()
+
+    def _drop_dead(self) -> bool:
+        dropped = super()._drop_dead()
+        if dropped:
+            self._saved = {k: s for k, s in self._saved.items() if k in self._entries}
+        return dropped
+
+    def settle(self) -> None:
+        """Paths are named when a write hits (`written_entries`); nothing else moves them."""
+
+    @property
+    def alive(self) -> int:
+        """Saved tensors protected now."""
+        return sum(1 for e in self._entries.values() if e.ref() is not None) + len(self._pending)
+
+    # -- writes ----------------------------------------------------------------------
+
+    def written_entries(self, written: Sequence[torch.Tensor], kind: str, resizes: bool = False) -> list[Entry]:
+        """The saved tensors a write changes, or (`counter_only`) whose version counter alone it bumps.
+
+        A write to a sibling slice of a saved view's base changes no saved element, but
+        views share one version counter, so autograd's check at backward fails all the same.
+        """
+        self.counter_only = frozenset()
+        hit = super().written_entries(written, kind, resizes)
+        if not hit and kind == "write":
+            hit = self._sharing_counter(written)
+            self.counter_only = frozenset(map(id, hit))
+        return self._named(hit) if hit else hit
+
+    def _sharing_counter(self, written: Sequence[torch.Tensor]) -> list[Entry]:
+        found = []
+        for tensor in written:
+            for entry in self._memory.in_storage_of(tensor):
+                saved = entry.ref()
+                if saved is not None and entry not in found and _torch.shares_version_counter(tensor, saved):
+                    found.append(entry)
+        return found
+
+    def _named(self, hit: list[Entry]) -> list[Entry]:
+        """`hit` with each entry's saver named, one entry per tensor saved more than once (the
+        other savers as aliases)."""
+        self._find_savers()
+        first: dict[Any, Entry] = {}
+        kept = []
+        for entry in hit:
+            saved = self.saved_of(entry)
+            if saved is not None:
+                entry.path = saved.path()
+            same = first.get(entry.record[0])
+            if same is None:
+                first[entry.record[0]] = entry
+                kept.append(entry)
+                entry.aliases = ()
+            elif entry.path != same.path and entry.path not in same.aliases:
+                same.aliases += (entry.path,)
+        return kept
+
+    def saved_of(self, entry: Entry) -> Optional[Saved]:
+        ref = self._saved.get(id(entry.ref()))
+        saved = ref() if ref is not None else None
+        return saved if saved is not None and saved.tensor is entry.ref() else None
+
+    def note(self, entry: Entry, what: str) -> None:
+        """A write reported on `entry`: backward's error will name it."""
+        saved = self.saved_of(entry)
+        if saved is not None and len(saved.writes) < 8:
+            saved.writes.append(what)
+
+    def _find_savers(self) -> None:
+        """Name the node and slot of every saved tensor not named yet, from the graph."""
+        unnamed = {id(s): s for ref in self._saved.values() if (s := ref()) is not None and s.saver is None}
+        if not unnamed:
+            return
+        roots = [t for ref in self._roots if (t := ref()) is not None] + _caller_tensors(sys._getframe(2))
+        stack = [n for t in roots if (n := _grad_fn(t)) is not None]
+        kept: list[Any] = []  # wrappers held while walked, so their ids stay theirs
+        seen: set[int] = set()
+        while stack and unnamed and len(kept) < MAX_WALK:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            kept.append(node)
+            for slot, data in _torch.saved_slots(node):
+                if type(data) is Saved and data.saver is None:
+                    data.saver = f"{type(node).__name__}: {slot}"
+                    unnamed.pop(id(data), None)
+            stack += _torch.next_nodes(node)
+
+    def close(self) -> None:
+        self.closed = True
+        self._pending.clear()
+        self._saved = {}
+        self._roots.clear()
+        super().close()
+
+
+def _grad_fn(tensor: torch.Tensor) -> Any:
+    try:
+        return tensor.grad_fn
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _caller_tensors(frame: Optional[types.FrameType], depth: int = 12) -> list[torch.Tensor]:
+    """Tensors with a graph in the user's frames (and one level into their containers)."""
+    found = []
+    for _, frame in zip(range(depth), _frames.user_frames(frame)):
+        for value in _frames.frame_namespace(frame).values():
+            values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (
+                value,)
+            for v in list(values)[:1000]:
+                if isinstance(v, torch.Tensor) and v.grad_fn is not None:
+                    found.append(v)
+    return found
+
+
+def _site(frame: Optional[types.FrameType]) -> Optional[str]:
+    """`file.py:LINE` of the forward call that saved a tensor: the innermost frame outside torch and kvguard."""
+    for frame in _frames.user_frames(frame):
+        return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    return None
+
+
+def _type_text(tensor: torch.Tensor) -> str:
+    try:
+        return tensor.type()
+    except Exception:  # noqa: BLE001
+        return type(tensor).__name__
