@@ -165,10 +165,12 @@ class Settings:
     calls: Calls = Calls()
     level: str = "full"
     defaults: GuardDefaults = GuardDefaults()
+    autograd: bool = False  # `autograd` in KVGUARD_TARGETS: what autograd saves, in every forward pass
 
     def as_record(self) -> dict[str, object]:
         """The settings as plain JSON values, for report headers."""
-        return {"action": self.action, "targets": [str(t) for t in self.targets], "report_dir": self.report_dir,
+        return {"action": self.action, "targets": [str(t) for t in self.targets] + [AUTOGRAD] * self.autograd,
+                "report_dir": self.report_dir,
                 "keys": list(self.keys) if self.keys is not None else None, "ignore": list(self.ignore),
                 "allow": list(self.allow), "calls": str(self.calls), "level": self.level}
 
@@ -213,15 +215,26 @@ def env_source(name: str) -> str:
     return f"the {name} environment variable"
 
 
+AUTOGRAD = "autograd"  # the KVGUARD_TARGETS word for what autograd saves (`kvguard.guard_autograd`)
+
+
+def names_autograd(value: str) -> bool:
+    """Whether a KVGUARD_TARGETS value names `autograd` (any case)."""
+    return any(item.strip().lower() == AUTOGRAD for item in value.split(","))
+
+
 def parse_targets(value: str, source: str = env_source("KVGUARD_TARGETS")) -> tuple[Target, ...]:
     """Targets from a comma-separated list; names `source` on error.
 
     Each entry is `module:qualname(argname)` or, without a colon, a preset name (`slime`,
-    `verl`, ...: see `_presets`), which stands for its functions. A function named both
-    by a preset and explicitly is guarded once, as the explicit entry says.
+    `verl`, ...: see `_presets`), which stands for its functions, or `autograd`
+    (`names_autograd`: no function, what autograd saves). A function named both by a
+    preset and explicitly is guarded once, as the explicit entry says.
     """
     targets: list[Target] = []
     for item in filter(str.strip, value.split(",")):
+        if item.strip().lower() == AUTOGRAD:
+            continue
         if ":" not in item:
             expanded: tuple[Target, ...] = _presets.expand(item, source)
         else:
@@ -280,4 +293,5 @@ def from_env(environ: Mapping[str, str]) -> Settings:
     targets = parse_targets(read("KVGUARD_TARGETS", environ))
     defaults = guard_defaults(environ)
     return Settings(action, targets, defaults.report_dir, defaults.keys, defaults.ignore or (), defaults.allow or (),
-                    defaults.calls or Calls(), defaults.level or "full", defaults)
+                    defaults.calls or Calls(), defaults.level or "full", defaults,
+                    names_autograd(read("KVGUARD_TARGETS", environ)))

@@ -19,6 +19,7 @@ class State:
         self.settings: Any = None
         self.started = False
         self.patched: list[str] = []  # targets guarded in this process
+        self.autograd: Any = None  # the process's `guard_autograd` (KVGUARD_TARGETS=autograd), once torch loads
         self.undo: list[Callable[[], None]] = []
 
     def uninstall(self) -> None:

@@ -833,6 +833,14 @@ def current_autograd_node() -> Any:
     return torch._C._current_autograd_node()
 
 
+def node_serial(node: Any) -> Optional[int]:
+    """A backward node's sequence number: which node it is, while it lives."""
+    try:
+        return int(node._sequence_nr())
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def saved_slots(node: Any) -> list[tuple[str, Any]]:
     """(slot, what was packed) for each tensor `node` saved for backward, read without unpacking.
 

@@ -21,9 +21,10 @@ from typing import Any, Collection, Generator, Iterator, Optional
 import pytest
 
 PLUGIN = "kvguard"  # the entry-point name of the plugin that `-p no:kvguard` blocks
-MARKER_HELP = ("kvguard(arg=None, *, action=None, name=None, keys=None, ignore=None): fail the test "
-               "when it writes in place to a tensor reachable from the funcarg `arg` (default: "
-               "every funcarg holding tensors). See kvguard.guard() for keys and ignore.")
+MARKER_HELP = ("kvguard(arg=None, *, action=None, name=None, keys=None, ignore=None, autograd=False): fail "
+               "the test when it writes in place to a tensor reachable from the funcarg `arg` (default: "
+               "every funcarg holding tensors), or with autograd=True to a tensor autograd saved for "
+               "backward (kvguard.guard_autograd). See kvguard.guard() for keys and ignore.")
 BLOCKED = "-p no:kvguard"
 BLOCKED_HEADER = (f"kvguard: off ({BLOCKED} blocks the kvguard plugin): mutation_guard.protect() "
                   "and @pytest.mark.kvguard check nothing")

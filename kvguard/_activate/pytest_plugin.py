@@ -203,8 +203,9 @@ def _resolve(item: pytest.Item, action: Optional[str], where: str) -> str:
 
 
 def _marker_options(arg: Optional[str] = None, *, action: Optional[str] = None, name: Optional[str] = None,
-                    keys: Optional[Collection[Any]] = None, ignore: Optional[Collection[Any]] = None) -> dict[str, Any]:
-    return dict(arg=arg, action=action, name=name, keys=keys, ignore=ignore)
+                    keys: Optional[Collection[Any]] = None, ignore: Optional[Collection[Any]] = None,
+                    autograd: bool = False) -> dict[str, Any]:
+    return dict(arg=arg, action=action, name=name, keys=keys, ignore=ignore, autograd=bool(autograd))
 
 
 def _enter_marked(item: pytest.Item) -> None:
@@ -220,6 +221,12 @@ def _enter_marked(item: pytest.Item) -> None:
         return
     funcargs: dict[str, Any] = getattr(item, "funcargs", {})
     arg = options["arg"]
+    if options["autograd"]:  # what the test's forward passes save; funcargs only when `arg` names one
+        from kvguard._guard.autograd import AutogradGuard
+
+        _enter(item, AutogradGuard(name=options["name"], action=action))
+        if arg is None:
+            return
     if arg is None:
         targets = [(n, v) for n, v in funcargs.items() if _holds_tensor(v)]
     elif arg in funcargs:

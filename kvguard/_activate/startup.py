@@ -76,7 +76,7 @@ def _start() -> None:
     if not settings.active or STATE.started:
         return
     STATE.settings, STATE.started = settings, True
-    if not settings.targets:
+    if not settings.targets and not settings.autograd:
         say("kvguard: KVGUARD is on but KVGUARD_TARGETS names no function to guard")
         return
     from kvguard import _ranks
@@ -90,6 +90,10 @@ def _start() -> None:
         writer_for(settings.report_dir, "KVGUARD_REPORT_DIR", output()[1])
     _importhook.install(settings.targets, settings.action, settings.keys, settings.ignore, settings.allow,
                         settings.calls, settings.level)
+    if settings.autograd:
+        from kvguard._activate import autograd as _autograd
+
+        _autograd.install(settings)
     atexit.register(_print_summary)
 
 
@@ -99,6 +103,10 @@ def _print_summary() -> None:
     from kvguard._report.files import ReportWriter
     from kvguard._report.process import PROCESS
 
+    if STATE.autograd is not None:
+        from kvguard._activate import autograd as _autograd
+
+        _autograd.stop()
     if not STATE.patched and not PROCESS.tally.calls and _is_helper_process():
         return  # torchrun's agent, a DataLoader worker: not where the targets run
     say("\n".join(PROCESS.tally.lines(_ranks.rank_tag(), calls=str(STATE.settings.calls))))

@@ -15,6 +15,7 @@ from typing import Any, Collection, Literal, Optional
 
 from kvguard._errors import GuardWarning
 from kvguard._guard.guard import Guard
+from kvguard._report.tally import AUTOGRAD_LABEL
 
 
 class AutogradGuard(Guard):
@@ -26,6 +27,7 @@ class AutogradGuard(Guard):
         super().__init__([], name=name or "autograd", action=action, allow=allow, report_dir=report_dir,
                          target=target, level="full", fingerprint=False)
         self.delegated = False  # other saved-tensor hooks were active: nothing protected
+        self._account.label = AUTOGRAD_LABEL  # counted as `autograd`, from code or KVGUARD_TARGETS
         self._hooks: Any = None
         self.graphs = 0  # forward passes that saved tensors under the guard (set at exit)
 

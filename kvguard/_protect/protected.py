@@ -36,6 +36,7 @@ class ProtectedSet:
     # Whether writes that no version counter sees (`OpFacts.uncounted`: batch norm's running
     # statistics) concern this set: not for autograd's, whose check never sees them either.
     judges_uncounted = True
+    graphs = 0  # forward passes that saved what the set protects (autograd's only)
 
     def __init__(self, root: Any, name: str, keys: Optional[Collection[Any]], ignore: Collection[Any],
                  fingerprint: bool = True) -> None:

@@ -43,7 +43,7 @@ TORCH_HINT = ("Hint: the backtrace further above shows the operation that failed
 class Saved:
     """What one pack kept: the tensor autograd reads back, its version then, where it was saved."""
 
-    __slots__ = ("tensor", "version", "site", "saver", "writes", "__weakref__")
+    __slots__ = ("tensor", "version", "site", "saver", "writes", "read_by", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, site: Optional[str]) -> None:
         self.tensor = tensor.detach()  # shares memory and version counter; no grad_fn: no cycle
@@ -51,6 +51,7 @@ class Saved:
         self.site = site
         self.saver: Optional[str] = None  # "SigmoidBackward0: result", once a report needed it
         self.writes: list[str] = []  # the writes kvguard reported on it, for backward's error
+        self.read_by: Optional[int] = None  # the backward node that last unpacked it (`_torch.node_serial`)
 
     def path(self) -> str:
         return f"{SAVED_PREFIX}{self.saver}>" if self.saver else f"{SAVED_PREFIX}a node not found>"
@@ -73,7 +74,8 @@ class SavedSet(ProtectedSet):
         self._roots: collections.deque[weakref.ref[torch.Tensor]] = collections.deque(maxlen=_ROOTS)
         self._thread = threading.get_ident()
         self.counter_only: frozenset[int] = frozenset()
-        self.graphs = 0  # forward passes: packs that began with nothing saved alive
+        self.graphs = 0  # forward passes: packs that came after a backward (or first)
+        self._backward_since_pack = True
         self.closed = False
         super().__init__(self._pending, name, None, (), fingerprint=fingerprint)
 
@@ -84,7 +86,8 @@ class SavedSet(ProtectedSet):
             return tensor.detach()
         site = _site(sys._getframe(1))
         saved = Saved(tensor, site)
-        if not self._entries and not self._pending:
+        if self._backward_since_pack:
+            self._backward_since_pack = False
             self.graphs += 1
         self._pending.append(saved)
         if tensor.grad_fn is not None:
@@ -96,9 +99,13 @@ class SavedSet(ProtectedSet):
     def unpack(self, saved: Any) -> torch.Tensor:
         if type(saved) is not Saved:
             return saved  # type: ignore[no-any-return]  # packed after the guard closed
+        self._backward_since_pack = True
         tensor = saved.tensor
         if tensor._version != saved.version:
             raise RuntimeError(self._version_error(saved))
+        node = _torch.current_autograd_node()
+        if node is not None:  # its own backward may now write it (Megatron's cross-entropy does)
+            saved.read_by = _torch.node_serial(node)
         return tensor
 
     def _version_error(self, saved: Saved) -> str:
@@ -179,7 +186,14 @@ class SavedSet(ProtectedSet):
         if not hit and kind == "write":
             hit = self._sharing_counter(written)
             self.counter_only = frozenset(map(id, hit))
+        if hit and (node := _torch.current_autograd_node()) is not None:
+            hit = self._not_read_by(_torch.node_serial(node), hit)
         return self._named(hit) if hit else hit
+
+    def _not_read_by(self, serial: Optional[int], hit: list[Entry]) -> list[Entry]:
+        """`hit` less what the backward node running now has unpacked: a node's backward may
+        use its saved tensors as scratch once it has read them (autograd checked them then)."""
+        return [e for e in hit if (s := self.saved_of(e)) is None or s.read_by is None or s.read_by != serial]
 
     def _sharing_counter(self, written: Sequence[torch.Tensor]) -> list[Entry]:
         found = []

@@ -29,6 +29,7 @@ class TargetStats:
         self.unguarded_calls = 0  # calls KVGUARD_CALLS left out
         self.unguardable: dict[str, int] = {}  # calls skipped, by the argument's type
         self.protected = 0  # tensors protected over all calls
+        self.graphs = 0  # forward passes that saved tensors (`guard_autograd` only)
         self.keys_seen: set[Any] = set()  # top-level keys the argument held
         self.not_run: dict[str, int] = {}  # calls that did not run in this process, by reason
         self.sites: dict[SiteKey, SiteStats] = {}  # the writes of this target's calls, per site
@@ -163,7 +164,7 @@ class Tally:
             return [f"{who}: {_head(TargetStats(), {}, calls)}"]
         lines = []
         for label, stats in active:
-            lines.append(f"{who}: {display_label(label)}: {_head(stats, stats.sites, calls)}")
+            lines.append(f"{who}: {display_label(label)}: {_head(stats, stats.sites, calls, label == AUTOGRAD_LABEL)}")
             lines += _detail_lines(stats.sites, stats.allowed)
         return lines
 
@@ -177,13 +178,23 @@ class Tally:
                 "not_run": self.not_run}
 
 
+AUTOGRAD_LABEL = "autograd"  # what `guard_autograd` counts under, from code or KVGUARD_TARGETS
+
+
 def display_label(label: str) -> str:
-    """A target as it was named (`m:f(rollout_data)`); a guard made in code by its name."""
-    return label if ":" in label else f"kvguard.guard({label})"
+    """A target as it was named (`m:f(rollout_data)`, `autograd`); a guard made in code by its name."""
+    return label if ":" in label or label == AUTOGRAD_LABEL else f"kvguard.guard({label})"
 
 
-def _head(stats: TargetStats, sites: dict[SiteKey, SiteStats], calls: Optional[str]) -> str:
-    """`3 guarded calls (…left unguarded…), 2 calls not run here (…), 84 tensors protected, 6 writes at 2 sites`."""
+def _head(stats: TargetStats, sites: dict[SiteKey, SiteStats], calls: Optional[str], saved: bool = False) -> str:
+    """`3 guarded calls (…left unguarded…), 2 calls not run here (…), 84 tensors protected, 6 writes at 2 sites`;
+    for what autograd saved (`saved`), `1,204 saved tensors protected in 12 forward passes, no in-place writes`."""
+    if saved:
+        writes = sum(site.writes for site in sites.values())
+        return (f"{plural(stats.protected, 'saved tensor')} protected in "
+                f"{plural(stats.graphs, 'forward pass', 'forward passes')}"
+                + (f", {plural(writes, 'write')} at {plural(len(sites), 'site')}" if sites else ", no in-place writes")
+                + (f", {sum(stats.allowed.values()):,} allowed" if stats.allowed else ""))
     head = plural(stats.calls, "guarded call")
     if stats.unguarded_calls:
         head += f" ({stats.unguarded_calls:,} left unguarded by KVGUARD_CALLS={calls})"

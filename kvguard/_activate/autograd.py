@@ -1,0 +1,62 @@
+"""`KVGUARD_TARGETS=autograd`: one `guard_autograd` for the process, from the moment torch loads.
+
+Entered by a post-import hook on torch on the thread that imports it (saved-tensor hooks
+are per thread: the main thread's forward passes, and the backward passes they start),
+and left at exit, before the summary line is printed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvguard._errors import MutationError
+from kvguard._state import STATE
+from kvguard._text import say
+
+
+def install(settings: Any) -> None:
+    """Enter the process's autograd guard when torch is imported (now, if it is already)."""
+    import wrapt
+
+    def start(_torch: Any) -> None:
+        if STATE.autograd is not None:
+            return
+        from kvguard._guard.autograd import AutogradGuard
+
+        try:
+            guard = AutogradGuard(action=settings.action, target="autograd", allow=settings.allow or None)
+            STATE.autograd = guard.__enter__()
+        except Exception as exc:  # noqa: BLE001 - a debug switch must not kill the job
+            say(f"kvguard: KVGUARD_TARGETS=autograd not activated: {exc}")
+    wrapt.register_post_import_hook(start, "torch")
+    _end_tracebacks_at_the_users_line()
+
+
+def _end_tracebacks_at_the_users_line() -> None:
+    """A `MutationError` this guard raises leaves through no `with` block of kvguard's, which
+    would drop the engine's frames from its traceback: the excepthook drops them instead."""
+    import sys
+
+    previous = sys.excepthook
+
+    def excepthook(kind: Any, exc: Any, tb: Any) -> None:
+        if isinstance(exc, MutationError):
+            from kvguard._protect.frames import drop_internal_frames
+
+            drop_internal_frames(exc)
+            tb = exc.__traceback__
+        previous(kind, exc, tb)
+    sys.excepthook = excepthook
+
+
+def stop() -> None:
+    """Leave the process's autograd guard (at exit): its counts go into the summary."""
+    guard, STATE.autograd = STATE.autograd, None
+    if guard is None:
+        return
+    try:
+        guard.__exit__(None, None, None)
+    except MutationError as exc:  # at exit, a finding is a line, not a traceback
+        say(f"kvguard: {exc.args[0].splitlines()[0]}")
+    except Exception as exc:  # noqa: BLE001
+        say(f"kvguard: autograd guard: {exc}")

@@ -1,0 +1,119 @@
+"""`KVGUARD_TARGETS=autograd` in real subprocesses, and `@pytest.mark.kvguard(autograd=True)`."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvguard import _config
+
+pytest_plugins = ["pytester"]
+HERE = Path(__file__).parent
+TRAIN = textwrap.dedent("""
+    import torch
+    x = torch.randn(4, 3, requires_grad=True)
+    for step in range(3):
+        y = torch.sigmoid(x * 2)
+        if step == BUG_STEP:
+            y.mul_(2)   # the bug
+        y.sum().backward()
+    print("done")
+""")
+
+
+def _run(tmp_path: Path, action: str, bug_step: int, targets: str = "autograd") -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN.replace("BUG_STEP", str(bug_step)))
+    env = {**os.environ, "KVGUARD": action, "KVGUARD_TARGETS": targets}
+    return subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_raise_stops_the_write_at_its_line_on_the_env_var_alone(tmp_path: Path) -> None:
+    result = _run(tmp_path, "raise", bug_step=2)
+    assert result.returncode == 1 and "done" not in result.stdout
+    err = result.stderr
+    assert 'File "' + str(tmp_path / "train.py") + '", line 7, in <module>' in err
+    assert "kvguard.MutationError: <saved by SigmoidBackward0: result> would be modified in place by " \
+           "aten.mul_.Tensor at train.py:7" in err
+    assert "saved at train.py:5" in err and "kvguard/_engine" not in err  # the traceback ends at the user's line
+    assert "kvguard: autograd: 3 saved tensors protected in 3 forward passes, 1 write at 1 site" in err
+
+
+def test_a_clean_run_says_what_it_watched(tmp_path: Path) -> None:
+    result = _run(tmp_path, "raise", bug_step=99)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip() == "kvguard: autograd: 3 saved tensors protected in 3 forward passes, no in-place writes"
+
+
+def test_record_lets_backward_fail_as_torch_does_with_the_write_named(tmp_path: Path) -> None:
+    result = _run(tmp_path, "record", bug_step=1)
+    assert result.returncode == 1
+    assert "modified by an inplace operation" in result.stderr
+    assert "was written by aten.mul_.Tensor at train.py:7 (y.mul_(2)   # the bug)" in result.stderr
+
+
+def test_autograd_mixes_with_other_targets() -> None:
+    settings = _config.from_env({"KVGUARD": "raise", "KVGUARD_TARGETS": "Autograd, slime"})
+    assert settings.autograd and settings.targets and "autograd" in settings.as_record()["targets"]
+    assert not _config.from_env({"KVGUARD": "raise", "KVGUARD_TARGETS": "slime"}).autograd
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("variant", ["bug", "fixed"])
+def test_verl_2484_megatron_vocab_parallel_cross_entropy(variant: str) -> None:
+    """Real megatron-core on a 1-process gloo group: its fp32 path writes logits an entropy saved."""
+    pytest.importorskip("megatron.core")
+    env = {**os.environ, "KVGUARD": "raise", "KVGUARD_TARGETS": "autograd", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run([sys.executable, str(HERE / "integrations" / "verl_2484_cross_entropy.py"), variant,
+                             str(_free_port())], env=env, capture_output=True, text=True, timeout=300)
+    if variant == "bug":
+        assert result.returncode != 0
+        assert ("kvguard.MutationError: <saved by MulBackward0: other> would be modified in place by "
+                "aten.sub_.Tensor at cross_entropy.py:") in result.stderr
+        assert "vocab_parallel_logits -= logits_max.unsqueeze(dim=-1)" in result.stderr
+    else:
+        assert result.returncode == 0, result.stderr
+        assert "backward ok" in result.stdout
+        assert "autograd: 11 saved tensors protected in 1 forward pass, no in-place writes" in result.stderr
+
+
+MARKED = textwrap.dedent("""
+    import pytest, torch
+
+    @pytest.mark.kvguard(autograd=True)
+    def test_bug():
+        x = torch.randn(3, requires_grad=True)
+        y = x.exp()
+        y.add_(1)
+        y.sum().backward()
+
+    @pytest.mark.kvguard(autograd=True)
+    def test_clean():
+        x = torch.randn(3, requires_grad=True)
+        x.exp().sum().backward()
+""")
+
+
+def test_the_marker_fails_a_test_at_the_write(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVGUARD", raising=False)
+    pytester.makepyfile(test_marked=MARKED)
+    result = pytester.runpytest("--disable-plugin-autoload", "-p", "kvguard._activate.pytest_plugin")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*MutationError: <saved by ExpBackward0: result> would be modified in place by "
+                                 "aten.add_.Tensor at test_marked.py:7*"])
+    result = pytester.runpytest("--disable-plugin-autoload", "-p", "kvguard._activate.pytest_plugin",
+                                "--kvguard=record")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*modified by an inplace operation*"])
