@@ -380,3 +380,39 @@ def test_memory_is_flat_over_many_steps(engine: str) -> None:
         assert len(g._protected._entries) <= saved_then + 8
         assert len(gc.get_objects()) < objects_then + 500
     assert g.report.ok and g.graphs == 1050
+
+
+def test_a_backward_hook_that_writes_a_saved_tensor_is_seen(engine: str) -> None:
+    x = torch.randn(3, requires_grad=True)
+    with kvguard.guard_autograd(action="record") as g:
+        y = x.sigmoid()
+        z = y * 2
+        z.register_hook(lambda grad: y.mul_(2))  # runs inside backward, before SigmoidBackward0 reads y
+        with pytest.raises(RuntimeError, match=TORCH_SAYS):
+            z.sum().backward()
+    assert [(e.op, e.path) for e in g.report.events] == [("aten.mul_.Tensor", "<saved by SigmoidBackward0: result>")]
+
+
+def test_autocast_allow_and_compile(engine: str) -> None:
+    model = torch.nn.Linear(4, 4)
+    with kvguard.guard_autograd(action="raise") as g:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(torch.randn(2, 4)).sigmoid()
+        out.float().sum().backward()
+    assert g.report.ok and g.protected_count >= 2
+    x = torch.randn(3, requires_grad=True)
+    with kvguard.guard_autograd(action="raise", allow=["<saved by ExpBackward0: result>"]) as g:
+        y = x.exp()
+        y.add_(1)  # intended: counted, not reported
+    assert g.report.ok and g.report.allowed == {"allow=<saved by ExpBackward0: result>": 1}
+
+    @torch.compile(backend="aot_eager")
+    def f(a: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(a @ a.T).sum()
+
+    a = torch.randn(4, 4, requires_grad=True)
+    f(a).backward()
+    plain, a.grad = a.grad, None
+    with kvguard.guard_autograd(action="raise") as g:
+        f(a).backward()
+    assert g.report.ok and g.protected_count > 0 and torch.equal(plain, a.grad)

@@ -117,3 +117,35 @@ def test_the_marker_fails_a_test_at_the_write(pytester: pytest.Pytester, monkeyp
                                 "--kvguard=record")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*modified by an inplace operation*"])
+
+
+@pytest.mark.parametrize("variant", ["clean", "bug"])
+def test_ddp_over_a_megatron_mlp_on_gloo(variant: str) -> None:
+    """torch DDP over Megatron-core's MLP (tensor-parallel linears) with AdamW, three steps."""
+    pytest.importorskip("megatron.core")
+    env = {**os.environ, "KVGUARD": "raise", "KVGUARD_TARGETS": "autograd", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run([sys.executable, str(HERE / "integrations" / "ddp_megatron_mlp_steps.py"), variant,
+                             str(_free_port())], env=env, capture_output=True, text=True, timeout=300)
+    assert "megatron MLP built" in result.stdout
+    if variant == "clean":
+        assert result.returncode == 0, result.stderr
+        assert "autograd: 21 saved tensors protected in 3 forward passes, no in-place writes" in result.stderr
+    else:
+        assert result.returncode != 0
+        assert ("MutationError: <saved by TanhBackward0: result> would be modified in place by aten.zero_.default "
+                "at ddp_megatron_mlp_steps.py:") in result.stderr
+
+
+def test_report_files_and_kvguard_report(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN.replace("BUG_STEP", "1"))
+    env = {**os.environ, "KVGUARD": "warn", "KVGUARD_TARGETS": "autograd", "KVGUARD_REPORT_DIR": str(tmp_path / "r")}
+    result = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1 and "modified by an inplace operation" in result.stderr
+    report = subprocess.run([sys.executable, "-m", "kvguard", "report", str(tmp_path / "r")], capture_output=True,
+                            text=True, timeout=120,
+                            env={**{k: v for k, v in os.environ.items() if k != "KVGUARD"}, "COLUMNS": "200"})
+    assert report.returncode == 1, report.stdout + report.stderr
+    assert "<saved by SigmoidBackward0: result>" in report.stdout and "train.py:7" in report.stdout
+    assert "autograd: 2 saved tensors protected in 2 forward passes, 1 write" in report.stdout

@@ -103,6 +103,21 @@ def user_frames(start: Optional[types.FrameType] = None) -> Iterator[types.Frame
         frame = frame.f_back
 
 
+def first_user_line(frame: Optional[types.FrameType]) -> Optional[tuple[str, int]]:
+    """(co_filename, line) of the innermost frame outside torch, kvguard and wrapt: `user_frames`'
+    first, without a generator (it runs for every tensor autograd saves under `guard_autograd`)."""
+    internal_files = _internal_files
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        internal = internal_files.get(filename)
+        if internal is None:
+            internal = next(user_frames(frame), None) is not frame
+        if not internal:
+            return filename, frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
 # co_filename -> whether its frames are internal (a relative name is read against the
 # working directory of its first sighting, as the interpreter compiled it)
 _internal_files: dict[str, bool] = {}

@@ -27,6 +27,7 @@ import torch
 
 from kvguard import _torch
 from kvguard._protect import frames as _frames
+from kvguard._protect.collector import collector_paused
 from kvguard._protect.entries import Entry
 from kvguard._protect.protected import ProtectedSet
 from kvguard._report.events import SAVED_PREFIX
@@ -45,16 +46,29 @@ class Saved:
 
     __slots__ = ("tensor", "version", "site", "saver", "writes", "read_by", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, site: Optional[str]) -> None:
+    def __init__(self, tensor: torch.Tensor, site: Optional[tuple[str, int]]) -> None:
         self.tensor = tensor.detach()  # shares memory and version counter; no grad_fn: no cycle
         self.version = tensor._version
-        self.site = site
+        self.site = site  # (co_filename, line), shown as `file.py:LINE` (`site_text`)
         self.saver: Optional[str] = None  # "SigmoidBackward0: result", once a report needed it
         self.writes: list[str] = []  # the writes kvguard reported on it, for backward's error
         self.read_by: Optional[int] = None  # the backward node that last unpacked it (`_torch.node_serial`)
 
     def path(self) -> str:
         return f"{SAVED_PREFIX}{self.saver}>" if self.saver else f"{SAVED_PREFIX}a node not found>"
+
+
+class _TensorOf(weakref.ref):  # type: ignore[type-arg]
+    """An entry's reference: weak to the `Saved` (its death is the entry's), calling gives the tensor."""
+
+    __slots__ = ()
+
+    def __call__(self) -> Optional[torch.Tensor]:
+        saved = super().__call__()
+        return saved.tensor if saved is not None else None
+
+    def saved(self) -> Optional[Saved]:
+        return super().__call__()
 
 
 class SavedSet(ProtectedSet):
@@ -70,7 +84,6 @@ class SavedSet(ProtectedSet):
 
     def __init__(self, name: str, fingerprint: bool = False) -> None:
         self._pending: list[Saved] = []
-        self._saved: dict[int, weakref.ref[Saved]] = {}  # id(saved.tensor) -> its Saved
         self._roots: collections.deque[weakref.ref[torch.Tensor]] = collections.deque(maxlen=_ROOTS)
         self._thread = threading.get_ident()
         self.counter_only: frozenset[int] = frozenset()
@@ -84,13 +97,12 @@ class SavedSet(ProtectedSet):
     def pack(self, tensor: torch.Tensor) -> Any:
         if self.closed:
             return tensor.detach()
-        site = _site(sys._getframe(1))
-        saved = Saved(tensor, site)
+        saved = Saved(tensor, _frames.first_user_line(sys._getframe(1)))
         if self._backward_since_pack:
             self._backward_since_pack = False
             self.graphs += 1
         self._pending.append(saved)
-        if tensor.grad_fn is not None:
+        if tensor.requires_grad:  # a start for the search of savers (`_find_savers`)
             self._roots.append(weakref.ref(tensor))
         if len(self._pending) >= FLUSH_EVERY and threading.get_ident() == self._thread:
             self._flush()
@@ -115,7 +127,7 @@ class SavedSet(ProtectedSet):
         name = type(node).__name__ if node is not None else "its node"
         head = (f"{TORCH_CHECK}: [{_type_text(tensor)} {list(tensor.shape)}], which {name} saved, is at version "
                 f"{tensor._version}; expected version {saved.version} instead. {TORCH_HINT}")
-        where = f" at {saved.site}" if saved.site else ""
+        where = f" at {_site_text(saved.site)}" if saved.site else ""
         if saved.writes:
             said = "; ".join(dict.fromkeys(saved.writes))
             return f"{head}\n\nkvguard: the tensor {name} saved{where} was written by {said}"
@@ -131,19 +143,22 @@ class SavedSet(ProtectedSet):
             self._flush()
 
     def _flush(self) -> None:
-        pending = self._pending[:]
-        self._pending.clear()  # the watch compares it with an empty snapshot again
-        records = self._describe([s.tensor for s in pending])
-        on_death, entries, saved_of = self._on_death, self._entries, self._saved
-        added = []
-        for saved, record in zip(pending, records):
-            key = id(saved.tensor)
-            entry = entries[key] = Entry(SAVED_PREFIX + "…>", record, weakref.ref(saved.tensor, on_death),
-                                         saved.site)
-            saved_of[key] = weakref.ref(saved)
-            added.append(entry)
-        self.protected_count += len(added)
-        self._rebuild_index(added)
+        with collector_paused():  # a batch of new objects: no collection over the whole heap midway
+            pending = self._pending[:]
+            self._pending.clear()  # the watch compares it with an empty snapshot again
+            records = self._describe([s.tensor for s in pending])
+            on_death, entries, ref = self._on_death, self._entries, _TensorOf
+            added = []
+            for saved, record in zip(pending, records):
+                site = saved.site
+                entry = entries[id(saved.tensor)] = Entry(_UNNAMED, record, ref(saved, on_death),
+                                                          _site_text(site) if site is not None else None)
+                added.append(entry)
+            self.protected_count += len(added)
+            # The lookup index is built when Python is next asked about a write (rarely, for what
+            # autograd saved); the write hook learns the new memory now.
+            self._memory.invalidate()
+            self._rebuild_index(added)
 
     def _describe(self, tensors: list[torch.Tensor]) -> list[Any]:
         from kvguard._protect import records as _records
@@ -159,11 +174,12 @@ class SavedSet(ProtectedSet):
         if self._drop_dead():
             self._rebuild_index()
 
-    def _drop_dead(self) -> bool:
-        dropped = super()._drop_dead()
-        if dropped:
-            self._saved = {k: s for k, s in self._saved.items() if k in self._entries}
-        return dropped
+    def boundary_changes(self, caller: Optional[types.FrameType], rescan: bool = True) -> list[Any]:
+        """Nothing to compare at a boundary: fingerprints are off (a saved tensor's values are the
+        version counter's to vouch for, checked at unpack), and no code of the user's holds
+        the saved (detached) tensor objects to re-point them. Protects what waits, forgets the dead."""
+        self.look()
+        return []
 
     def settle(self) -> None:
         """Paths are named when a write hits (`written_entries`); nothing else moves them."""
@@ -223,10 +239,10 @@ class SavedSet(ProtectedSet):
                 same.aliases += (entry.path,)
         return kept
 
-    def saved_of(self, entry: Entry) -> Optional[Saved]:
-        ref = self._saved.get(id(entry.ref()))
-        saved = ref() if ref is not None else None
-        return saved if saved is not None and saved.tensor is entry.ref() else None
+    @staticmethod
+    def saved_of(entry: Entry) -> Optional[Saved]:
+        ref = entry.ref
+        return ref.saved() if isinstance(ref, _TensorOf) else None
 
     def note(self, entry: Entry, what: str) -> None:
         """A write reported on `entry`: backward's error will name it."""
@@ -236,7 +252,7 @@ class SavedSet(ProtectedSet):
 
     def _find_savers(self) -> None:
         """Name the node and slot of every saved tensor not named yet, from the graph."""
-        unnamed = {id(s): s for ref in self._saved.values() if (s := ref()) is not None and s.saver is None}
+        unnamed = {id(s): s for e in self._entries.values() if (s := self.saved_of(e)) is not None and s.saver is None}
         if not unnamed:
             return
         roots = [t for ref in self._roots if (t := ref()) is not None] + _caller_tensors(sys._getframe(2))
@@ -258,7 +274,6 @@ class SavedSet(ProtectedSet):
     def close(self) -> None:
         self.closed = True
         self._pending.clear()
-        self._saved = {}
         self._roots.clear()
         super().close()
 
@@ -283,11 +298,18 @@ def _caller_tensors(frame: Optional[types.FrameType], depth: int = 12) -> list[t
     return found
 
 
-def _site(frame: Optional[types.FrameType]) -> Optional[str]:
-    """`file.py:LINE` of the forward call that saved a tensor: the innermost frame outside torch and kvguard."""
-    for frame in _frames.user_frames(frame):
-        return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
-    return None
+def _site_text(site: tuple[str, int]) -> str:
+    """`file.py:LINE`, as reports show where a tensor was saved (the same few lines, over and over)."""
+    text = _SITE_TEXT.get(site)
+    if text is None:
+        if len(_SITE_TEXT) > 4096:
+            _SITE_TEXT.clear()
+        text = _SITE_TEXT[site] = f"{os.path.basename(site[0])}:{site[1]}"
+    return text
+
+
+_SITE_TEXT: dict[tuple[str, int], str] = {}
+_UNNAMED = SAVED_PREFIX + "…>"  # until a report names the saving node
 
 
 def _type_text(tensor: torch.Tensor) -> str:

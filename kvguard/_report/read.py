@@ -197,8 +197,9 @@ def _target_rows(summaries: list[Record]) -> list[dict[str, Any]]:
         for label, stats in (targets.items() if isinstance(targets, dict) else ()):
             if not isinstance(stats, dict):
                 continue
-            row = rows.setdefault(str(label), {"target": str(label), "calls": 0, "protected": 0, "writes": 0})
-            for name in ("calls", "protected", "writes"):
+            row = rows.setdefault(str(label), {"target": str(label), "calls": 0, "protected": 0, "writes": 0,
+                                               "graphs": 0})
+            for name in ("calls", "protected", "writes", "graphs"):
                 if row[name] is not None:
                     row[name] += _count(stats.get(name))
             if "writes" not in stats:  # written by kvguard 0.2: per-target writes unknown

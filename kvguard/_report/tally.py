@@ -47,7 +47,7 @@ class TargetStats:
     def as_record(self) -> dict[str, Any]:
         return {"calls": self.calls, "unguarded_calls": self.unguarded_calls,
                 "unguardable_calls": sum(self.unguardable.values()), "protected": self.protected,
-                "not_run_calls": sum(self.not_run.values()), "writes": self.writes}
+                "not_run_calls": sum(self.not_run.values()), "writes": self.writes, "graphs": self.graphs}
 
 
 class SiteStats:
