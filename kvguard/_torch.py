@@ -818,14 +818,18 @@ def cxx11_abi() -> int:
 
 # -- autograd's saved tensors (`kvguard._protect.saved`) ------------------------------------
 
-def other_saved_tensors_hooks() -> bool:
-    """Whether `saved_tensors_hooks` of someone else's are active on this thread (`save_on_cpu`,
-    activation checkpointing, `allow_mutation_on_saved_tensors`, offloading): then they, not
-    the tensors, are what backward reads."""
+def top_saved_tensors_pack() -> Any:
+    """The pack hook of the innermost `saved_tensors_hooks` active on this thread (None: none)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks[0] if hooks is not None else None
+
+
+def allowing_mutation_on_saved_tensors() -> bool:
+    """Whether `torch.autograd.graph.allow_mutation_on_saved_tensors()` is active: writes to saved
+    tensors are legal there (autograd keeps a copy)."""
     import torch.autograd.graph as graph
 
-    return bool(torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-                or getattr(graph, "_allow_mutation_on_saved_tensors_enabled", False))
+    return bool(getattr(graph, "_allow_mutation_on_saved_tensors_enabled", False))
 
 
 def current_autograd_node() -> Any:

@@ -416,3 +416,37 @@ def test_autocast_allow_and_compile(engine: str) -> None:
     with kvguard.guard_autograd(action="raise") as g:
         f(a).backward()
     assert g.report.ok and g.protected_count > 0 and torch.equal(plain, a.grad)
+
+
+def test_nested_autograd_guards_each_report_the_write(engine: str) -> None:
+    x = torch.randn(3, requires_grad=True)
+    with kvguard.guard_autograd(action="record", name="outer") as outer:
+        with kvguard.guard_autograd(action="record", name="inner") as inner:
+            y = x.exp()
+            y.add_(1)
+        z = x.sigmoid()
+        z.mul_(2)  # after the inner guard: the outer's only
+    assert not inner.delegated and [e.path for e in inner.report.events] == ["<saved by ExpBackward0: result>"]
+    assert [e.path for e in outer.report.events] == ["<saved by ExpBackward0: result>",
+                                                     "<saved by SigmoidBackward0: result>"]
+
+
+def test_a_loop_with_no_write_op_keeps_no_entries_of_freed_graphs(engine: str) -> None:
+    x = torch.randn(8, requires_grad=True)
+    with kvguard.guard_autograd() as g:
+        for _ in range(3000):
+            (g_x,) = torch.autograd.grad(x.sigmoid().exp().sum(), x)  # no in-place op anywhere
+        assert len(g._protected._entries) < 1000
+    assert g.report.ok and g.protected_count == 6000
+
+
+def test_a_tensor_subclass_that_refuses_detach_still_trains(engine: str) -> None:
+    class Stubborn(torch.Tensor):
+        def detach(self):  # type: ignore[no-untyped-def, override]
+            raise RuntimeError("no")
+
+    x = torch.randn(3, requires_grad=True)
+    with kvguard.guard_autograd(action="raise") as g:
+        y = x.as_subclass(Stubborn).exp()
+        y.sum().backward()
+    assert x.grad is not None and g.report.ok

@@ -29,6 +29,7 @@ class AutogradGuard(Guard):
         self.delegated = False  # other saved-tensor hooks were active: nothing protected
         self._account.label = AUTOGRAD_LABEL  # counted as `autograd`, from code or KVGUARD_TARGETS
         self._hooks: Any = None
+        self._outer: Any = None  # the SavedSet of a guard_autograd this one was entered inside
         self.graphs = 0  # forward passes that saved tensors under the guard (set at exit)
 
     def _new_protected(self) -> Any:
@@ -38,10 +39,16 @@ class AutogradGuard(Guard):
 
     def __enter__(self) -> AutogradGuard:
         from kvguard import _torch
+        from kvguard._protect.saved import SavedSet
 
-        self.delegated = _torch.other_saved_tensors_hooks()
+        pack = _torch.top_saved_tensors_pack()
+        outer = getattr(pack, "__self__", None)
+        self._outer = outer if isinstance(outer, SavedSet) and not outer.closed else None
+        self.delegated = self._outer is None and (pack is not None or _torch.allowing_mutation_on_saved_tensors())
         super().__enter__()
-        if not self.delegated:
+        if self._outer is not None:  # inside another guard_autograd: its packs are this one's too
+            self._outer.followers.append(self._protected)
+        elif not self.delegated:
             import torch
 
             saved = self._protected
@@ -53,6 +60,9 @@ class AutogradGuard(Guard):
         hooks, self._hooks = self._hooks, None
         if hooks is not None:
             hooks.__exit__(None, None, None)
+        outer, self._outer = self._outer, None
+        if outer is not None and self._protected in outer.followers:
+            outer.followers.remove(self._protected)
         if self._protected is not None:
             self.graphs = self._protected.graphs
         return super().__exit__(exc_type, exc, tb)

@@ -87,6 +87,7 @@ class SavedSet(ProtectedSet):
         self._roots: collections.deque[weakref.ref[torch.Tensor]] = collections.deque(maxlen=_ROOTS)
         self._thread = threading.get_ident()
         self.counter_only: frozenset[int] = frozenset()
+        self.followers: list[SavedSet] = []  # sets of guard_autograd blocks entered inside this one
         self.graphs = 0  # forward passes: packs that came after a backward (or first)
         self._backward_since_pack = True
         self.closed = False
@@ -95,9 +96,18 @@ class SavedSet(ProtectedSet):
     # -- the hooks -------------------------------------------------------------------
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        if self.closed:
-            return tensor.detach()
-        saved = Saved(tensor, _frames.first_user_line(sys._getframe(1)))
+        try:
+            saved = Saved(tensor, _frames.first_user_line(sys._getframe(1)))
+        except Exception:  # noqa: BLE001 - never fail the user's forward (a subclass that refuses detach)
+            return tensor
+        if not self.closed:
+            self.adopt(saved, tensor)
+        for follower in self.followers:  # a guard_autograd entered inside this one protects it too
+            follower.adopt(saved, tensor)
+        return saved
+
+    def adopt(self, saved: Saved, tensor: torch.Tensor) -> None:
+        """Protect `saved` from the next look on (or now, when many wait)."""
         if self._backward_since_pack:
             self._backward_since_pack = False
             self.graphs += 1
@@ -105,12 +115,14 @@ class SavedSet(ProtectedSet):
         if tensor.requires_grad:  # a start for the search of savers (`_find_savers`)
             self._roots.append(weakref.ref(tensor))
         if len(self._pending) >= FLUSH_EVERY and threading.get_ident() == self._thread:
-            self._flush()
-        return saved
+            try:
+                self._flush()
+            except Exception:  # noqa: BLE001 - the next look tries again
+                pass
 
     def unpack(self, saved: Any) -> torch.Tensor:
         if type(saved) is not Saved:
-            return saved  # type: ignore[no-any-return]  # packed after the guard closed
+            return saved  # type: ignore[no-any-return]  # a tensor pack could not keep
         self._backward_since_pack = True
         tensor = saved.tensor
         if tensor._version != saved.version:
@@ -143,6 +155,8 @@ class SavedSet(ProtectedSet):
             self._flush()
 
     def _flush(self) -> None:
+        if self._dirty:  # forget the dead first: entries of freed graphs never pile up
+            self._forget_dead()
         with collector_paused():  # a batch of new objects: no collection over the whole heap midway
             pending = self._pending[:]
             self._pending.clear()  # the watch compares it with an empty snapshot again
@@ -273,6 +287,7 @@ class SavedSet(ProtectedSet):
 
     def close(self) -> None:
         self.closed = True
+        self.followers.clear()
         self._pending.clear()
         self._roots.clear()
         super().close()
