@@ -139,3 +139,14 @@ def test_the_depth_benchmark_runs_and_prints_its_row() -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     (row,) = [line.split(" | ") for line in proc.stdout.splitlines() if line[:1].isdigit()]
     assert row[0] == "60" and all(float(cell) > 0 for cell in row[1:])
+
+
+def test_the_autograd_benchmark_runs_and_prints_its_figures() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_autograd.py"), "--quick"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for fragment in ("guard_autograd / empty hooks:", "us per saved tensor", "inside an open guard_autograd",
+                     "entering and leaving guard_autograd"):
+        assert fragment in proc.stdout, proc.stdout
+    assert "saved tensors per step" in proc.stdout and "0 saved tensors per step" not in proc.stdout
