@@ -78,3 +78,20 @@ def test_readme_is_short_and_links_only_to_what_exists() -> None:
         if anchor:
             headings = re.findall(r"^#+ (.*)$", target.read_text(), re.M)
             assert anchor in {_slug(h) for h in headings}, f"{path} has no heading for #{anchor}"
+
+
+def test_the_autograd_quick_start_prints_what_the_readme_shows(tmp_path: Path) -> None:
+    """The README's `guard_autograd` example, run as the file it names, stops the write with
+    exactly the lines the README shows under it."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index('## When backward says "modified by an inplace operation"'):]
+    code, shown = re.findall(r"```(?:python|text)?\n(.*?)```", section, re.S)[:2]
+    assert code.startswith("# quick.py\n")
+    (tmp_path / "quick.py").write_text(code)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD") or k == "KVGUARD_CACHE_DIR"}
+    result = subprocess.run([sys.executable, "quick.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 1
+    printed = result.stderr.splitlines()
+    for line in shown.strip().splitlines():
+        assert line in printed, f"{line!r} not in:\n{result.stderr}"
