@@ -379,6 +379,8 @@ def test_memory_is_flat_over_many_steps(engine: str) -> None:
         gc.collect()
         assert len(g._protected._entries) <= saved_then + 8
         assert len(gc.get_objects()) < objects_then + 500
+        g._protected.look()
+        assert g._protected.alive == 0  # every graph's saved tensors let go once its backward ran
     assert g.report.ok and g.graphs == 1050
 
 
