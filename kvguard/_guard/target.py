@@ -36,7 +36,7 @@ def check_target(obj: Any) -> None:
         )
 
 
-_NAMING_CALLS = ("guard", "Guard", "protect")
+_NAMING_CALLS = ("guard", "Guard", "protect", "guard_module")
 _MAX_NAME_CHARS = 80
 
 

@@ -1,0 +1,172 @@
+"""A model's weights as a protected set: `guard_module`'s tensors, and the writes a trainer means.
+
+Every parameter and buffer of the guarded modules, named as `named_parameters()` and
+`named_buffers()` print them under the guard's name (`model.layers.0.mlp.weight`). Writes
+a trainer means are not reported:
+
+- inside an optimizer's `step()` (`stepping`: the step's parameters leave the write
+  hook's memory for the step, so its writes cost nothing, then their digests start again);
+- inside `load_state_dict` of a guarded module (it exists to write weights);
+- a module's own `forward` updating its own buffers (batch norm's running statistics);
+- DistributedDataParallel's own broadcasts of the guarded module's buffers and parameters.
+
+The last three are read from the stack of the writing op, which only a write that hits
+protected memory pays for.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+import weakref
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from kvguard._protect.collector import collector_paused
+from kvguard._protect.entries import Entry
+from kvguard._protect.protected import ProtectedSet
+
+# Functions whose writes to a guarded module's weights are its own (any module of the guarded tree).
+_LOADING = frozenset({"load_state_dict", "_load_from_state_dict", "_load", "load"})
+
+
+class ModuleSet(ProtectedSet):
+    """The parameters and buffers of `modules` (name, module), protected as entries."""
+
+    def __init__(self, modules: Sequence[tuple[str, torch.nn.Module]], fingerprint: bool = True) -> None:
+        self._roots: list[tuple[str, weakref.ref[torch.nn.Module]]] = [(n, weakref.ref(m)) for n, m in modules]
+        self._owner: dict[int, weakref.ref[torch.nn.Module]] = {}  # id(buffer entry) -> the module owning it
+        self._stepping: set[int] = set()  # ids of the entries an optimizer step is writing now
+        self._guarded_modules: set[int] = set()  # ids of every module of the guarded trees
+        super().__init__([], modules[0][0] if modules else "model", None, (), fingerprint=fingerprint)
+
+    # -- entries ---------------------------------------------------------------------
+
+    def _named_tensors(self) -> list[tuple[str, torch.Tensor, Optional[torch.nn.Module]]]:
+        """(path, tensor, owner for buffers) of every module's parameters and buffers, each tensor once."""
+        found: list[tuple[str, torch.Tensor, Optional[torch.nn.Module]]] = []
+        seen: set[int] = set()
+        modules: set[int] = set()
+        for name, ref in self._roots:
+            root = ref()
+            if root is None:
+                continue
+            for prefix, module in root.named_modules(prefix=name):
+                modules.add(id(module))
+                for pname, param in module.named_parameters(recurse=False):
+                    if id(param) not in seen:
+                        seen.add(id(param))
+                        found.append((f"{prefix}.{pname}", param, None))
+                for bname, buf in module.named_buffers(recurse=False):
+                    if buf is not None and id(buf) not in seen:
+                        seen.add(id(buf))
+                        found.append((f"{prefix}.{bname}", buf, module))
+        self._guarded_modules = modules
+        return found
+
+    def _scan_now(self, frames: Optional[list[Any]]) -> None:
+        """Every parameter and buffer as the modules hold them now: new ones protected, replaced ones let go."""
+        self._dirty = False
+        self._drop_dead()
+        named = self._named_tensors()
+        entries = self._entries
+        kept = {id(t) for _, t, _ in named}
+        for key in [k for k in entries if k not in kept]:  # a parameter the module no longer holds
+            del entries[key]
+        new = [(path, t, owner) for path, t, owner in named
+               if (e := entries.get(id(t))) is None or e.ref() is not t]
+        if new:
+            records = _describe(self, [t for _, t, _ in new])
+            for (path, tensor, owner), record in zip(new, records):
+                entry = entries[id(tensor)] = Entry(path, record, weakref.ref(tensor, self._on_death), None)
+                if owner is not None:
+                    self._owner[id(entry)] = weakref.ref(owner)
+            self.protected_count += len(new)
+        for path, tensor, _ in named:  # a renamed or re-registered module: its path as it is now
+            known = entries.get(id(tensor))
+            if known is not None and known.path != path:
+                known.path = path
+        self._rebuild_index()
+
+    def look(self) -> None:
+        if self._dirty:
+            self._forget_dead()
+
+    def settle(self) -> None:
+        """Paths are the modules' names, kept current by each scan."""
+
+    def boundary_changes(self, caller: Optional[types.FrameType], rescan: bool = True) -> list[Any]:
+        """At a boundary the modules are read again (a parameter replaced or added), then compared."""
+        with collector_paused():
+            self._scan_now(None)
+        return super().boundary_changes(caller, rescan=False)
+
+    # -- intended writes -------------------------------------------------------------
+
+    def intervals(self) -> list[tuple[int, int]]:
+        if not self._stepping:
+            return super().intervals()
+        from kvguard._protect import records as _records
+
+        return _records.intervals(e.record for e in self._entries.values() if id(e) not in self._stepping)
+
+    def begin_step(self, tensors: Iterable[torch.Tensor]) -> list[Entry]:
+        """An optimizer step starts writing `tensors`: their entries step aside until `end_step`."""
+        stepping = [e for t in tensors if (e := self.entry_of(t)) is not None]
+        self._stepping.update(map(id, stepping))
+        if stepping:
+            self._rebuild_index()  # the write hook no longer compares their memory
+        return stepping
+
+    def end_step(self, stepping: list[Entry]) -> None:
+        """The step is done: its entries are protected again, from their values now."""
+        for entry in stepping:
+            self._stepping.discard(id(entry))
+        if stepping:
+            self.explain(stepping)  # digests (and memory) as the step left them
+            self._rebuild_index()
+
+    def written_entries(self, written: Sequence[torch.Tensor], kind: str, resizes: bool = False) -> list[Entry]:
+        hit = super().written_entries(written, kind, resizes)
+        if self._stepping:
+            hit = [e for e in hit if id(e) not in self._stepping]
+        if not hit:
+            return hit
+        intended = self._intended(hit, sys._getframe(1))
+        for entry in intended:
+            entry.explained = True  # it will change: the next boundary check does not count it
+        return [e for e in hit if e not in intended]
+
+    def _intended(self, hit: list[Entry], frame: Optional[types.FrameType]) -> list[Entry]:
+        """The entries of `hit` that the code on the stack owns the right to write."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        owners = {id(e): ref() for e in hit if (ref := self._owner.get(id(e))) is not None}
+        modules = self._guarded_modules
+        intended: list[Entry] = []
+        while frame is not None and len(intended) < len(hit):
+            code = frame.f_code
+            if code.co_argcount and code.co_varnames[0] == "self":
+                owner = frame.f_locals.get("self")
+                name = code.co_name
+                if id(owner) in modules and name in _LOADING:
+                    return hit  # load_state_dict of a guarded module: every write is its own
+                if isinstance(owner, DistributedDataParallel) and id(owner.module) in modules:
+                    return hit  # DDP's broadcast of the module's buffers and parameters
+                if name == "forward" and owner is not None:
+                    intended += [e for e in hit if e not in intended and owners.get(id(e)) is owner]
+            frame = frame.f_back
+        return intended
+
+    def close(self) -> None:
+        self._stepping.clear()
+        self._owner.clear()
+        self._roots = []
+        super().close()
+
+
+def _describe(protected: ProtectedSet, tensors: list[torch.Tensor]) -> list[Any]:
+    from kvguard._protect import records as _records
+
+    return _records.describe(tensors, protected._fingerprint, protected._compiled)
