@@ -111,8 +111,13 @@ def guard_module(module: Any, optimizer: Any = None, *, action: str = "raise", n
         module: a `torch.nn.Module`.
         optimizer: an optimizer, or a list of them, whose `step()` may write the weights;
             None: no step is expected (an inference-side model).
-        action, name, allow, report_dir, level, fingerprint: as for `kvguard.guard`; the
-            name defaults to how the caller wrote `module`.
+        action: "raise", "warn" or "record", as for `kvguard.guard`.
+        name: how paths start (`model.layers.0.mlp.weight`); defaults to how the caller
+            wrote `module`.
+        allow: paths whose writes are intended, as for `kvguard.guard`.
+        report_dir: write report files here.
+        level: "full" or "light", as for `kvguard.guard`.
+        fingerprint: compare the weights' values at the boundaries; default on.
 
     Example::
 
