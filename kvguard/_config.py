@@ -166,10 +166,12 @@ class Settings:
     level: str = "full"
     defaults: GuardDefaults = GuardDefaults()
     autograd: bool = False  # `autograd` in KVGUARD_TARGETS: what autograd saves, in every forward pass
+    weights: bool = False  # `weights` in KVGUARD_TARGETS: every optimizer's parameters, outside its step
 
     def as_record(self) -> dict[str, object]:
         """The settings as plain JSON values, for report headers."""
-        return {"action": self.action, "targets": [str(t) for t in self.targets] + [AUTOGRAD] * self.autograd,
+        return {"action": self.action, "targets": [str(t) for t in self.targets] + [AUTOGRAD] * self.autograd
+                + [WEIGHTS] * self.weights,
                 "report_dir": self.report_dir,
                 "keys": list(self.keys) if self.keys is not None else None, "ignore": list(self.ignore),
                 "allow": list(self.allow), "calls": str(self.calls), "level": self.level}
@@ -216,24 +218,32 @@ def env_source(name: str) -> str:
 
 
 AUTOGRAD = "autograd"  # the KVGUARD_TARGETS word for what autograd saves (`kvguard.guard_autograd`)
+WEIGHTS = "weights"  # the word for every optimizer's parameters outside its step (`kvguard.guard_module`)
+_WORDS = (AUTOGRAD, WEIGHTS)
+
+
+def names_word(value: str, word: str) -> bool:
+    """Whether a KVGUARD_TARGETS value names `word` (`autograd`, `weights`; any case)."""
+    return any(item.strip().lower() == word for item in value.split(","))
 
 
 def names_autograd(value: str) -> bool:
     """Whether a KVGUARD_TARGETS value names `autograd` (any case)."""
-    return any(item.strip().lower() == AUTOGRAD for item in value.split(","))
+    return names_word(value, AUTOGRAD)
 
 
 def parse_targets(value: str, source: str = env_source("KVGUARD_TARGETS")) -> tuple[Target, ...]:
     """Targets from a comma-separated list; names `source` on error.
 
     Each entry is `module:qualname(argname)` or, without a colon, a preset name (`slime`,
-    `verl`, ...: see `_presets`), which stands for its functions, or `autograd`
-    (`names_autograd`: no function, what autograd saves). A function named both by a
-    preset and explicitly is guarded once, as the explicit entry says.
+    `verl`, ...: see `_presets`), which stands for its functions, or one of the words
+    `autograd` (what autograd saves) and `weights` (every optimizer's parameters): no
+    function (`names_word`). A function named both by a preset and explicitly is
+    guarded once, as the explicit entry says.
     """
     targets: list[Target] = []
     for item in filter(str.strip, value.split(",")):
-        if item.strip().lower() == AUTOGRAD:
+        if item.strip().lower() in _WORDS:
             continue
         if ":" not in item:
             expanded: tuple[Target, ...] = _presets.expand(item, source)
@@ -294,4 +304,5 @@ def from_env(environ: Mapping[str, str]) -> Settings:
     defaults = guard_defaults(environ)
     return Settings(action, targets, defaults.report_dir, defaults.keys, defaults.ignore or (), defaults.allow or (),
                     defaults.calls or Calls(), defaults.level or "full", defaults,
-                    names_autograd(read("KVGUARD_TARGETS", environ)))
+                    names_autograd(read("KVGUARD_TARGETS", environ)),
+                    names_word(read("KVGUARD_TARGETS", environ), WEIGHTS))

@@ -20,6 +20,7 @@ class State:
         self.started = False
         self.patched: list[str] = []  # targets guarded in this process
         self.autograd: Any = None  # the process's `guard_autograd` (KVGUARD_TARGETS=autograd), once torch loads
+        self.weights: Any = None  # the process's weights guard (KVGUARD_TARGETS=weights), once an optimizer is made
         self.undo: list[Callable[[], None]] = []
 
     def uninstall(self) -> None:

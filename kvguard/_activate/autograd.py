@@ -29,24 +29,9 @@ def install(settings: Any) -> None:
         except Exception as exc:  # noqa: BLE001 - a debug switch must not kill the job
             say(f"kvguard: KVGUARD_TARGETS=autograd not activated: {exc}")
     wrapt.register_post_import_hook(start, "torch")
-    _end_tracebacks_at_the_users_line()
+    from kvguard._activate.tracebacks import end_at_the_users_line
 
-
-def _end_tracebacks_at_the_users_line() -> None:
-    """A `MutationError` this guard raises leaves through no `with` block of kvguard's, which
-    would drop the engine's frames from its traceback: the excepthook drops them instead."""
-    import sys
-
-    previous = sys.excepthook
-
-    def excepthook(kind: Any, exc: Any, tb: Any) -> None:
-        if isinstance(exc, MutationError):
-            from kvguard._protect.frames import drop_internal_frames
-
-            drop_internal_frames(exc)
-            tb = exc.__traceback__
-        previous(kind, exc, tb)
-    sys.excepthook = excepthook
+    end_at_the_users_line()
 
 
 def stop() -> None:

@@ -76,7 +76,7 @@ def _start() -> None:
     if not settings.active or STATE.started:
         return
     STATE.settings, STATE.started = settings, True
-    if not settings.targets and not settings.autograd:
+    if not settings.targets and not settings.autograd and not settings.weights:
         say("kvguard: KVGUARD is on but KVGUARD_TARGETS names no function to guard")
         return
     from kvguard import _ranks
@@ -94,6 +94,10 @@ def _start() -> None:
         from kvguard._activate import autograd as _autograd
 
         _autograd.install(settings)
+    if settings.weights:
+        from kvguard._activate import weights as _weights
+
+        _weights.install(settings)
     atexit.register(_print_summary)
 
 
@@ -107,6 +111,10 @@ def _print_summary() -> None:
         from kvguard._activate import autograd as _autograd
 
         _autograd.stop()
+    if STATE.weights is not None:
+        from kvguard._activate import weights as _weights
+
+        _weights.stop()
     if not STATE.patched and not PROCESS.tally.calls and _is_helper_process():
         return  # torchrun's agent, a DataLoader worker: not where the targets run
     say("\n".join(PROCESS.tally.lines(_ranks.rank_tag(), calls=str(STATE.settings.calls))))

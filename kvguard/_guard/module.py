@@ -20,20 +20,20 @@ from kvguard._guard.target import caller_name
 class ModuleGuard(Guard):
     """A guard over the weights of one module. Use `guard_module()`."""
 
-    def __init__(self, module: Any, optimizers: tuple[Any, ...], *, name: Optional[str] = None,
+    def __init__(self, modules: list[tuple[str, Any]], optimizers: tuple[Any, ...], *, name: Optional[str] = None,
                  action: Optional[str] = "raise", allow: Optional[Collection[str]] = None,
                  report_dir: Optional[str | os.PathLike[str]] = None, level: Optional[str] = None,
                  fingerprint: Optional[bool] = None, target: Optional[str] = None) -> None:
         super().__init__([], name=name or "model", action=action, allow=allow, report_dir=report_dir,
                          level=level, fingerprint=fingerprint, target=target)
-        self.module = module
+        self.modules = modules  # (name, module): whose parameters and buffers, under which names
         self.optimizers = optimizers
         self._unwrap: list[Any] = []
 
     def _new_protected(self) -> Any:
         from kvguard._protect.weights import ModuleSet
 
-        return ModuleSet([(self.name, self.module)], fingerprint=self.fingerprint)
+        return ModuleSet(self.modules, fingerprint=self.fingerprint)
 
     def __enter__(self) -> ModuleGuard:
         super().__enter__()
@@ -41,10 +41,17 @@ class ModuleGuard(Guard):
             self._unwrap.append(_wrap_step(optimizer, self))
         return self
 
+    def add_optimizer(self, optimizer: Any, modules: list[tuple[str, Any]], loose: list[tuple[str, Any]]) -> None:
+        """An optimizer made while the guard is active (KVGUARD_TARGETS=weights): its weights from now on."""
+        if self._protected is None:
+            return
+        self._protected.add(modules, loose)
+        self._unwrap.append(_wrap_step(optimizer, self))
+
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         while self._unwrap:
             self._unwrap.pop()()
-        self.module = None
+        self.modules = []
         return super().__exit__(exc_type, exc, tb)
 
     def stepping(self, optimizer: Any) -> Any:
@@ -138,5 +145,6 @@ def guard_module(module: Any, optimizer: Any = None, *, action: str = "raise", n
             kind = type(opt)
             raise TypeError(f"kvguard.guard_module(optimizer=...) takes torch optimizers (with param_groups and "
                             f"step()); got {kind.__module__}.{kind.__qualname__}")
-    return ModuleGuard(module, optimizers, name=name if name is not None else caller_name(module), action=action,
-                       allow=allow, report_dir=report_dir, level=level, fingerprint=fingerprint)
+    name = name if name is not None else caller_name(module)
+    return ModuleGuard([(name, module)], optimizers, name=name, action=action, allow=allow, report_dir=report_dir,
+                       level=level, fingerprint=fingerprint)

@@ -37,6 +37,7 @@ class ProtectedSet:
     # statistics) concern this set: not for autograd's, whose check never sees them either.
     judges_uncounted = True
     graphs = 0  # forward passes that saved what the set protects (autograd's only)
+    steps = 0  # optimizer steps the set stepped aside for (the weights' only)
 
     def __init__(self, root: Any, name: str, keys: Optional[Collection[Any]], ignore: Collection[Any],
                  fingerprint: bool = True) -> None:

@@ -36,6 +36,7 @@ class ModuleSet(ProtectedSet):
 
     def __init__(self, modules: Sequence[tuple[str, torch.nn.Module]], fingerprint: bool = True) -> None:
         self._roots: list[tuple[str, weakref.ref[torch.nn.Module]]] = [(n, weakref.ref(m)) for n, m in modules]
+        self._loose: list[tuple[str, weakref.ref[torch.Tensor]]] = []  # parameters no named module holds
         self._owner: dict[int, weakref.ref[torch.nn.Module]] = {}  # id(buffer entry) -> the module owning it
         self._stepping: set[int] = set()  # ids of the entries an optimizer step is writing now
         self._guarded_modules: set[int] = set()  # ids of every module of the guarded trees
@@ -62,8 +63,21 @@ class ModuleSet(ProtectedSet):
                     if buf is not None and id(buf) not in seen:
                         seen.add(id(buf))
                         found.append((f"{prefix}.{bname}", buf, module))
+        for path, loose in self._loose:
+            tensor = loose()
+            if tensor is not None and id(tensor) not in seen:
+                seen.add(id(tensor))
+                found.append((path, tensor, None))
         self._guarded_modules = modules
         return found
+
+    def add(self, modules: Sequence[tuple[str, torch.nn.Module]], loose: Sequence[tuple[str, torch.Tensor]] = ()) -> None:
+        """Protect more modules (and parameters no module holds) from now on."""
+        known = {id(r()) for _, r in self._roots}
+        self._roots += [(n, weakref.ref(m)) for n, m in modules if id(m) not in known]
+        self._loose += [(p, weakref.ref(t)) for p, t in loose]
+        with collector_paused():
+            self._scan_now(None)
 
     def _scan_now(self, frames: Optional[list[Any]]) -> None:
         """Every parameter and buffer as the modules hold them now: new ones protected, replaced ones let go."""
@@ -114,6 +128,7 @@ class ModuleSet(ProtectedSet):
     def begin_step(self, tensors: Iterable[torch.Tensor]) -> list[Entry]:
         """An optimizer step starts writing `tensors`: their entries step aside until `end_step`."""
         stepping = [e for t in tensors if (e := self.entry_of(t)) is not None]
+        self.steps += 1
         self._stepping.update(map(id, stepping))
         if stepping:
             self._rebuild_index()  # the write hook no longer compares their memory

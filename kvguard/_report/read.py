@@ -198,8 +198,8 @@ def _target_rows(summaries: list[Record]) -> list[dict[str, Any]]:
             if not isinstance(stats, dict):
                 continue
             row = rows.setdefault(str(label), {"target": str(label), "calls": 0, "protected": 0, "writes": 0,
-                                               "graphs": 0})
-            for name in ("calls", "protected", "writes", "graphs"):
+                                               "graphs": 0, "steps": 0})
+            for name in ("calls", "protected", "writes", "graphs", "steps"):
                 if row[name] is not None:
                     row[name] += _count(stats.get(name))
             if "writes" not in stats:  # written by kvguard 0.2: per-target writes unknown

@@ -30,6 +30,7 @@ class TargetStats:
         self.unguardable: dict[str, int] = {}  # calls skipped, by the argument's type
         self.protected = 0  # tensors protected over all calls
         self.graphs = 0  # forward passes that saved tensors (`guard_autograd` only)
+        self.steps = 0  # optimizer steps (KVGUARD_TARGETS=weights only)
         self.keys_seen: set[Any] = set()  # top-level keys the argument held
         self.not_run: dict[str, int] = {}  # calls that did not run in this process, by reason
         self.sites: dict[SiteKey, SiteStats] = {}  # the writes of this target's calls, per site
@@ -47,7 +48,8 @@ class TargetStats:
     def as_record(self) -> dict[str, Any]:
         return {"calls": self.calls, "unguarded_calls": self.unguarded_calls,
                 "unguardable_calls": sum(self.unguardable.values()), "protected": self.protected,
-                "not_run_calls": sum(self.not_run.values()), "writes": self.writes, "graphs": self.graphs}
+                "not_run_calls": sum(self.not_run.values()), "writes": self.writes, "graphs": self.graphs,
+                "steps": self.steps}
 
 
 class SiteStats:
@@ -164,7 +166,7 @@ class Tally:
             return [f"{who}: {_head(TargetStats(), {}, calls)}"]
         lines = []
         for label, stats in active:
-            lines.append(f"{who}: {display_label(label)}: {_head(stats, stats.sites, calls, label == AUTOGRAD_LABEL)}")
+            lines.append(f"{who}: {display_label(label)}: {_head(stats, stats.sites, calls, label)}")
             lines += _detail_lines(stats.sites, stats.allowed)
         return lines
 
@@ -179,21 +181,26 @@ class Tally:
 
 
 AUTOGRAD_LABEL = "autograd"  # what `guard_autograd` counts under, from code or KVGUARD_TARGETS
+WEIGHTS_LABEL = "weights"  # what KVGUARD_TARGETS=weights counts under
 
 
 def display_label(label: str) -> str:
     """A target as it was named (`m:f(rollout_data)`, `autograd`); a guard made in code by its name."""
-    return label if ":" in label or label == AUTOGRAD_LABEL else f"kvguard.guard({label})"
+    return label if ":" in label or label in (AUTOGRAD_LABEL, WEIGHTS_LABEL) else f"kvguard.guard({label})"
 
 
-def _head(stats: TargetStats, sites: dict[SiteKey, SiteStats], calls: Optional[str], saved: bool = False) -> str:
+def _head(stats: TargetStats, sites: dict[SiteKey, SiteStats], calls: Optional[str], label: str = "") -> str:
     """`3 guarded calls (…left unguarded…), 2 calls not run here (…), 84 tensors protected, 6 writes at 2 sites`;
-    for what autograd saved (`saved`), `1,204 saved tensors protected in 12 forward passes, no in-place writes`."""
-    if saved:
+    for what autograd saved, `1,204 saved tensors protected in 12 forward passes, no in-place writes`; for
+    the weights, `148 parameters and buffers watched over 12 optimizer steps, no in-place writes`."""
+    if label in (AUTOGRAD_LABEL, WEIGHTS_LABEL):
         writes = sum(site.writes for site in sites.values())
-        return (f"{plural(stats.protected, 'saved tensor')} protected in "
-                f"{plural(stats.graphs, 'forward pass', 'forward passes')}"
-                + (f", {plural(writes, 'write')} at {plural(len(sites), 'site')}" if sites else ", no in-place writes")
+        head = (f"{plural(stats.protected, 'saved tensor')} protected in "
+                f"{plural(stats.graphs, 'forward pass', 'forward passes')}" if label == AUTOGRAD_LABEL else
+                f"{plural(stats.protected, 'parameter and buffer', 'parameters and buffers')} watched over "
+                f"{plural(stats.steps, 'optimizer step')}")
+        return (head + (f", {plural(writes, 'write')} at {plural(len(sites), 'site')}" if sites else
+                        ", no in-place writes")
                 + (f", {sum(stats.allowed.values()):,} allowed" if stats.allowed else ""))
     head = plural(stats.calls, "guarded call")
     if stats.unguarded_calls:
