@@ -66,3 +66,63 @@ def test_weights_and_autograd_together(tmp_path: Path) -> None:
     lines = set(result.stderr.strip().splitlines())
     assert "kvguard: weights: 9 parameters and buffers watched over 3 optimizer steps, no in-place writes" in lines
     assert any(line.startswith("kvguard: autograd: ") and line.endswith("no in-place writes") for line in lines)
+
+
+SHAPES = Path(__file__).parent / "integrations" / "weights_inference_side.py"
+
+
+def _shape(shape: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "KVGUARD": "raise", "KVGUARD_TARGETS": "weights", "KVGUARD_ALLOW": "__main__:sync_weights"}
+    return subprocess.run([sys.executable, str(SHAPES), shape], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_verl_6688_lora_views_of_a_reused_ipc_buffer_no_optimizer() -> None:
+    result = _shape("lora_ipc_buffer")
+    assert result.returncode == 1
+    assert ("kvguard.MutationError: rollout_model.lora_A would be modified in place by aten.copy_.default at "
+            "weights_inference_side.py:25") in result.stderr
+    assert "buffer[: bucket.numel()].copy_(bucket)" in result.stderr
+
+
+def test_prime_rl_2482_aliased_buffer_over_reloaded_weights_no_optimizer() -> None:
+    result = _shape("aliased_buffer")
+    assert result.returncode == 1
+    assert "rollout_model.lora_A would be modified in place by aten.copy_.default at weights_inference_side.py:44" \
+        in result.stderr
+
+
+def test_a_named_weight_sync_is_intended_and_a_write_between_syncs_is_not() -> None:
+    result = _shape("sync_scope")
+    assert result.returncode == 1
+    assert "rollout_model.lora_B would be modified in place by aten.mul_.Tensor at weights_inference_side.py:49" \
+        in result.stderr
+    assert "kvguard: weights: 3 parameters and buffers watched (no optimizer step), 1 write at 1 site, 3 allowed" \
+        in result.stderr
+    clean = _shape("clean")
+    assert clean.returncode == 0, clean.stderr
+    assert clean.stderr.strip().splitlines() == [
+        "kvguard: weights: 3 parameters and buffers watched (no optimizer step), no in-place writes, 3 allowed",
+        "  allowed: 3 writes by allow=__main__:sync_weights"]
+
+
+def test_verl_7139_weights_left_as_views_of_a_receive_buffer_on_two_gloo_processes() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "KVGUARD": "warn", "KVGUARD_TARGETS": "weights", "PYTHONWARNINGS": "ignore",
+           "COLUMNS": "200"}
+    result = subprocess.run([sys.executable, str(SHAPES.parent / "weights_nccl_receive.py"), str(port)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rollout_model.weight was modified in place by c10d.broadcast_.default" in result.stderr
+    assert "kvguard: weights: 2 parameters and buffers watched (no optimizer step), 2 writes at 1 site" in result.stderr
+
+
+def test_a_process_that_made_no_optimizer_says_so(tmp_path: Path) -> None:
+    env = {**os.environ, "KVGUARD": "raise", "KVGUARD_TARGETS": "weights,autograd"}
+    result = subprocess.run([sys.executable, "-c", "pass"], env=env, capture_output=True, text=True, timeout=120)
+    assert result.stderr.strip().splitlines() == [
+        "kvguard: autograd: torch was never imported here, so nothing was saved for backward",
+        "kvguard: weights: no optimizer was made and no module loaded a state dict here, so no weight was watched"]

@@ -117,7 +117,16 @@ def _print_summary() -> None:
         _weights.stop()
     if not STATE.patched and not PROCESS.tally.calls and _is_helper_process():
         return  # torchrun's agent, a DataLoader worker: not where the targets run
-    say("\n".join(PROCESS.tally.lines(_ranks.rank_tag(), calls=str(STATE.settings.calls))))
+    settings = STATE.settings
+    words_only = not settings.targets and not PROCESS.tally.calls  # `autograd`, `weights`: no function
+    if not words_only:
+        say("\n".join(PROCESS.tally.lines(_ranks.rank_tag(), calls=str(settings.calls))))
+    tag = f"kvguard [{_ranks.rank_tag()}]" if _ranks.rank_tag() else "kvguard"
+    if settings.autograd and not PROCESS.tally.counted("autograd"):
+        say(f"{tag}: autograd: torch was never imported here, so nothing was saved for backward")
+    if settings.weights and not PROCESS.tally.counted("weights"):
+        say(f"{tag}: weights: no optimizer was made and no module loaded a state dict here, so no weight was "
+            "watched")
     for line in diagnostics(STATE, PROCESS, any(isinstance(x, ReportWriter) for x in PROCESS.listeners)):
         say(line)
 

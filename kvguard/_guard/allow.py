@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import re
+import sys
+import types
 from typing import Callable, Iterable, Iterator, Optional
 
 from kvguard._errors import ConfigError
@@ -57,18 +60,25 @@ def _check_boundaries() -> None:
         check()
 
 
+# `module:qualname`: a function whose writes are all intended while it runs (a weight sync).
+_SCOPE = re.compile(r"^([A-Za-z_][\w.]*):([A-Za-z_][\w.]*)$")
+
+
 class Allowlist:
-    """Path patterns in the form reports print: `rollout_data['kl'][*]`, `[*]` for any list index.
+    """Path patterns in the form reports print: `rollout_data['kl'][*]`, `[*]` for any list index;
+    and function scopes, `module:qualname`: every write made while that function runs.
 
     A pattern also covers everything below it: `rollout_data['advantages']` allows
-    `rollout_data['advantages'][3]`.
+    `rollout_data['advantages'][3]`. A scope names a function as a target does, without
+    the argument (`myrl.sync:WeightSyncer.push`), and is found on the writing op's stack.
     """
 
     def __init__(self, patterns: Iterable[str], source: str) -> None:
         if isinstance(patterns, str):
             patterns = (patterns,)
         self.patterns = tuple(check_pattern(p, source) for p in patterns)
-        self._compiled = [(p, matcher(p)) for p in self.patterns]
+        self._compiled = [(p, matcher(p)) for p in self.patterns if not _SCOPE.match(p)]
+        self._scopes = [(p, m.group(1), m.group(2)) for p in self.patterns if (m := _SCOPE.match(p))]
 
     def reason(self, path: str) -> Optional[str]:
         """Why a write to `path` is allowed (`allow=PATTERN`, `kvguard.allow('...')`), or None."""
@@ -78,4 +88,17 @@ class Allowlist:
         for pattern, compiled in self._compiled:
             if compiled.match(path):
                 return f"allow={pattern}"
+        for pattern, module, qualname in self._scopes:
+            if _running(module, qualname, sys._getframe(1)):
+                return f"allow={pattern}"
         return None
+
+
+def _running(module: str, qualname: str, frame: Optional[types.FrameType]) -> bool:
+    """Whether `module:qualname` is on the stack from `frame` up."""
+    while frame is not None:
+        code = frame.f_code
+        if getattr(code, "co_qualname", code.co_name) == qualname and frame.f_globals.get("__name__") == module:
+            return True
+        frame = frame.f_back
+    return False

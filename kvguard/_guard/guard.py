@@ -402,8 +402,9 @@ def guard(obj: Any, *, name: Optional[str] = None, action: str = "raise",
         keys: protect only these top-level keys (or indices); default: all.
         ignore: never protect these top-level keys (or indices); default: none.
         allow: paths whose writes are intended, as reports print them, `[*]` for any
-            list index (`"rollout_data['advantages'][*]"`): they happen, even under
-            "raise", and are counted in `g.report.allowed` instead of reported.
+            list index (`"rollout_data['advantages'][*]"`), or functions as
+            `module:qualname` whose every write is intended while they run: they happen,
+            even under "raise", and are counted in `g.report.allowed` instead of reported.
         report_dir: write report files here; default: none.
         level: "full" (the default) watches every op (attribution at the write, raise
             before it) and checks values at the boundaries (exit, `g.check()`); "light"

@@ -48,6 +48,11 @@ class ModuleGuard(Guard):
         self._protected.add(modules, loose)
         self._unwrap.append(_wrap_step(optimizer, self))
 
+    def add_modules(self, modules: list[tuple[str, Any]]) -> None:
+        """Modules loaded while the guard is active (KVGUARD_TARGETS=weights): their weights from now on."""
+        if self._protected is not None:
+            self._protected.add(modules)
+
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         while self._unwrap:
             self._unwrap.pop()()

@@ -94,7 +94,8 @@ def _target_line(row: dict[str, Any]) -> str:
                 f"{plural(row.get('graphs') or 0, 'forward pass', 'forward passes')}"
                 if row["target"] == AUTOGRAD_LABEL else
                 f"{WEIGHTS_LABEL}: {plural(row['protected'], 'parameter and buffer', 'parameters and buffers')} "
-                f"watched over {plural(row.get('steps') or 0, 'optimizer step')}")
+                + (f"watched over {plural(row['steps'], 'optimizer step')}" if row.get("steps") else
+                   "watched (no optimizer step)"))
         if row["writes"] is not None:
             line += f", {plural(row['writes'], 'write')}" if row["writes"] else ", no in-place writes"
         return line

@@ -170,6 +170,11 @@ class Tally:
             lines += _detail_lines(stats.sites, stats.allowed)
         return lines
 
+    def counted(self, label: str) -> bool:
+        """Whether a guard under `label` was entered (and counted) in this process."""
+        stats = self.targets.get(label)
+        return stats is not None and stats.calls > 0
+
     def as_record(self) -> dict[str, Any]:
         """The counts as plain JSON values, for a summary record."""
         return {"calls": self.calls, "unguarded_calls": self.unguarded_calls,
@@ -197,8 +202,8 @@ def _head(stats: TargetStats, sites: dict[SiteKey, SiteStats], calls: Optional[s
         writes = sum(site.writes for site in sites.values())
         head = (f"{plural(stats.protected, 'saved tensor')} protected in "
                 f"{plural(stats.graphs, 'forward pass', 'forward passes')}" if label == AUTOGRAD_LABEL else
-                f"{plural(stats.protected, 'parameter and buffer', 'parameters and buffers')} watched over "
-                f"{plural(stats.steps, 'optimizer step')}")
+                f"{plural(stats.protected, 'parameter and buffer', 'parameters and buffers')} watched "
+                + (f"over {plural(stats.steps, 'optimizer step')}" if stats.steps else "(no optimizer step)"))
         return (head + (f", {plural(writes, 'write')} at {plural(len(sites), 'site')}" if sites else
                         ", no in-place writes")
                 + (f", {sum(stats.allowed.values()):,} allowed" if stats.allowed else ""))
