@@ -150,3 +150,12 @@ def test_the_autograd_benchmark_runs_and_prints_its_figures() -> None:
                      "entering and leaving guard_autograd"):
         assert fragment in proc.stdout, proc.stdout
     assert "saved tensors per step" in proc.stdout and "0 saved tensors per step" not in proc.stdout
+
+
+def test_the_weights_benchmark_runs_and_prints_its_rows() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_weights.py"), "--quick"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("unguarded", "guard_module"))]
+    assert [r[0] for r in rows] == ["unguarded", "guard_module", "guard_module,"] and float(rows[0][-1]) == 1.0
