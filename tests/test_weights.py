@@ -185,3 +185,45 @@ def test_two_process_gloo_jobs(script: str, expected: str) -> None:
     assert expected in result.stdout, result.stdout + result.stderr[-3000:]
     if script == "weights_ddp_broadcast.py":
         assert result.stdout.count(expected) == 2
+
+
+def test_grad_scaler_tied_weights_and_nested_guards(engine: str) -> None:
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight  # tied
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    ids = torch.tensor([1, 2, 3])
+    with kvguard.guard_module(model, optimizer=opt, action="raise") as outer:
+        with kvguard.guard_module(model["head"], optimizer=opt, name="head", action="raise") as inner:
+            for _ in range(2):
+                loss = model["head"](model["emb"](ids)).logsumexp(-1).mean()
+                scaler.scale(loss).backward()
+                scaler.step(opt)  # calls opt.step: intended
+                scaler.update()
+                opt.zero_grad()
+            with pytest.raises(kvguard.MutationError) as info:
+                with torch.no_grad():
+                    model["emb"].weight[0].zero_()  # one tensor, two names: the first guard to judge stops it
+    assert outer.report.events and inner.report.events
+    assert {e.path for e in outer.report.events} == {"model.emb.weight"}
+    assert {e.path for e in inner.report.events} == {"head.weight"}
+    assert info.value.event.path in ("model.emb.weight", "head.weight")
+    assert outer.protected_count == 1 and inner.protected_count == 1
+
+
+def test_a_failing_step_still_gives_its_parameters_back_to_the_guard(engine: str) -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def broken_closure() -> torch.Tensor:
+        raise ValueError("closure failed")
+
+    with kvguard.guard_module(model, optimizer=opt, action="record") as g:
+        with pytest.raises(ValueError):
+            opt.step(broken_closure)
+        with torch.no_grad():
+            model.weight.add_(1)  # after the failed step: watched again
+    assert [e.path for e in g.report.events] == ["model.weight"]
