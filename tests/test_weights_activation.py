@@ -126,3 +126,27 @@ def test_a_process_that_made_no_optimizer_says_so(tmp_path: Path) -> None:
     assert result.stderr.strip().splitlines() == [
         "kvguard: autograd: torch was never imported here, so nothing was saved for backward",
         "kvguard: weights: no optimizer was made and no module loaded a state dict here, so no weight was watched"]
+
+
+def test_an_optimizers_weights_are_let_go_when_it_is_freed_and_a_loaded_copy_is_watched(tmp_path: Path) -> None:
+    script = tmp_path / "after.py"
+    script.write_text(textwrap.dedent("""
+        import gc, torch
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        del opt
+        gc.collect()
+        with torch.no_grad():
+            model.weight.mul_(2)   # training is over: the optimizer is gone
+        eval_model = torch.nn.Linear(4, 2)
+        eval_model.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            eval_model.weight.mul_(2)   # a loaded copy: watched
+    """))
+    env = {**os.environ, "KVGUARD": "record", "KVGUARD_TARGETS": "weights", "KVGUARD_REPORT_DIR": str(tmp_path / "r")}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert "kvguard: weights: 4 parameters and buffers watched over 1 optimizer step, 1 write at 1 site" \
+        in result.stderr, result.stderr
+    assert "after.py:14 aten.mul_.Tensor: 1 write to eval_model.weight" in result.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import types
+import weakref
 from typing import Any, Collection, Literal, Optional
 
 from kvguard._guard.guard import Guard
@@ -42,11 +43,17 @@ class ModuleGuard(Guard):
         return self
 
     def add_optimizer(self, optimizer: Any, modules: list[tuple[str, Any]], loose: list[tuple[str, Any]]) -> None:
-        """An optimizer made while the guard is active (KVGUARD_TARGETS=weights): its weights from now on."""
+        """An optimizer made while the guard is active (KVGUARD_TARGETS=weights): its weights from now
+        on, until it is freed (unless something else holds them too)."""
         if self._protected is None:
             return
-        self._protected.add(modules, loose)
+        self._protected.add(modules, loose, holder=id(optimizer))
         self._unwrap.append(_wrap_step(optimizer, self))
+        weakref.finalize(optimizer, self._optimizer_freed, id(optimizer))
+
+    def _optimizer_freed(self, key: int) -> None:
+        if self._protected is not None:
+            self._protected.holder_gone(key)
 
     def add_modules(self, modules: list[tuple[str, Any]]) -> None:
         """Modules loaded while the guard is active (KVGUARD_TARGETS=weights): their weights from now on."""
@@ -75,34 +82,42 @@ def _wrap_step(optimizer: Any, guard: ModuleGuard) -> Any:
     """Wrap `optimizer.step` on the instance for the guard's block; returns the undo.
 
     A wrapper added on top later (an LR scheduler made inside the block wraps `step` too)
-    cannot be taken off from under it: ours then stays and passes straight through.
+    cannot be taken off from under it: ours then stays and passes straight through. The
+    undo holds the optimizer weakly: a guard never keeps one alive.
     """
-    had_own = "step" in vars(optimizer)
+    had_own = "step" in vars(optimizer)  # an LR scheduler's wrapper already (it holds the optimizer weakly)
     inner = optimizer.step
     active: list[Optional[ModuleGuard]] = [guard]  # None once undone: nothing of the guard kept alive
+    optimizer_ref = weakref.ref(optimizer)
 
     @functools.wraps(inner)
     def step_method(self: Any, *args: Any, **kwargs: Any) -> Any:
         owner = active[0]
         if owner is None:
             return inner(*args, **kwargs)
-        token = owner.stepping(optimizer)
+        token = owner.stepping(self)
         try:
             return inner(*args, **kwargs)
         finally:
             owner.stepped(token)
 
     # A bound method, as torch's LR schedulers expect of `optimizer.step` (they wrap its `__func__`).
-    step = types.MethodType(step_method, optimizer)
-    optimizer.step = step
+    # The undo knows it by a marker, not by the function (which holds the inner bound step).
+    marker = step_method._kvguard_step = object()  # type: ignore[attr-defined]
+    optimizer.step = types.MethodType(step_method, optimizer)
+    del step_method
+
+    own = inner if had_own else None  # the undo holds the inner step only where the instance had its own
 
     def undo() -> None:
         active[0] = None
-        if vars(optimizer).get("step") is step:
-            if had_own:
-                optimizer.step = inner
+        opt = optimizer_ref()
+        if opt is not None and getattr(getattr(vars(opt).get("step"), "__func__", None), "_kvguard_step", None) \
+                is marker:
+            if own is not None:
+                opt.step = own
             else:
-                del optimizer.step
+                del opt.step
     return undo
 
 

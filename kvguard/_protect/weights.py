@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 import types
 import weakref
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -31,12 +31,22 @@ from kvguard._protect.protected import ProtectedSet
 _LOADING = frozenset({"load_state_dict", "_load_from_state_dict", "_load", "load"})
 
 
+class _Root(NamedTuple):
+    name: str
+    ref: Any  # weakref.ref to the module (or the loose parameter)
+    holders: Optional[set[Any]]
+
+
 class ModuleSet(ProtectedSet):
     """The parameters and buffers of `modules` (name, module), protected as entries."""
 
     def __init__(self, modules: Sequence[tuple[str, torch.nn.Module]], fingerprint: bool = True) -> None:
-        self._roots: list[tuple[str, weakref.ref[torch.nn.Module]]] = [(n, weakref.ref(m)) for n, m in modules]
-        self._loose: list[tuple[str, weakref.ref[torch.Tensor]]] = []  # parameters no named module holds
+        # (name, module, holders) of each guarded module, and of each parameter no named module
+        # holds: holders are the optimizers (their ids) it is protected for, None for the
+        # guard's life. Holders let go wait in `_released` (a finalizer may run on any thread).
+        self._roots: list[_Root] = [_Root(n, weakref.ref(m), None) for n, m in modules]
+        self._loose: list[_Root] = []
+        self._released: list[Any] = []
         self._owner: dict[int, weakref.ref[torch.nn.Module]] = {}  # id(buffer entry) -> the module owning it
         self._stepping: set[int] = set()  # ids of the entries an optimizer step is writing now
         self._guarded_modules: set[int] = set()  # ids of every module of the guarded trees
@@ -49,7 +59,7 @@ class ModuleSet(ProtectedSet):
         found: list[tuple[str, torch.Tensor, Optional[torch.nn.Module]]] = []
         seen: set[int] = set()
         modules: set[int] = set()
-        for name, ref in self._roots:
+        for name, ref, _ in self._roots:
             root = ref()
             if root is None:
                 continue
@@ -63,7 +73,7 @@ class ModuleSet(ProtectedSet):
                     if buf is not None and id(buf) not in seen:
                         seen.add(id(buf))
                         found.append((f"{prefix}.{bname}", buf, module))
-        for path, loose in self._loose:
+        for path, loose, _ in self._loose:
             tensor = loose()
             if tensor is not None and id(tensor) not in seen:
                 seen.add(id(tensor))
@@ -71,13 +81,42 @@ class ModuleSet(ProtectedSet):
         self._guarded_modules = modules
         return found
 
-    def add(self, modules: Sequence[tuple[str, torch.nn.Module]], loose: Sequence[tuple[str, torch.Tensor]] = ()) -> None:
-        """Protect more modules (and parameters no module holds) from now on."""
-        known = {id(r()) for _, r in self._roots}
-        self._roots += [(n, weakref.ref(m)) for n, m in modules if id(m) not in known]
-        self._loose += [(p, weakref.ref(t)) for p, t in loose]
+    def add(self, modules: Sequence[tuple[str, torch.nn.Module]], loose: Sequence[tuple[str, torch.Tensor]] = (),
+            holder: Any = None) -> None:
+        """Protect more modules (and parameters no module holds) from now on, for `holder` (an
+        optimizer's id: until `release(holder)`; None: for the guard's life)."""
+        for name, obj in modules:
+            self._hold(self._roots, name, obj, holder)
+        for path, tensor in loose:
+            self._hold(self._loose, path, tensor, holder)
         with collector_paused():
             self._scan_now(None)
+
+    @staticmethod
+    def _hold(roots: list[_Root], name: str, obj: Any, holder: Any) -> None:
+        for i, root in enumerate(roots):
+            if root.ref() is obj:
+                if holder is None:
+                    roots[i] = root._replace(holders=None)
+                elif root.holders is not None:
+                    root.holders.add(holder)
+                return
+        roots.append(_Root(name, weakref.ref(obj), None if holder is None else {holder}))
+
+    def holder_gone(self, holder: Any) -> None:
+        """`holder` is gone (an optimizer freed): what only it held is let go at the next look."""
+        self._released.append(holder)
+        self._dirty = True
+
+    def _let_go(self) -> None:
+        released = set(self._released)
+        del self._released[: len(released)]
+        for roots in (self._roots, self._loose):
+            for root in roots:
+                if root.holders is not None:
+                    root.holders.difference_update(released)
+            roots[:] = [r for r in roots if r.holders is None or r.holders]
+        self._scan_now(None)
 
     def _scan_now(self, frames: Optional[list[Any]]) -> None:
         """Every parameter and buffer as the modules hold them now: new ones protected, replaced ones let go."""
@@ -104,7 +143,10 @@ class ModuleSet(ProtectedSet):
         self._rebuild_index()
 
     def look(self) -> None:
-        if self._dirty:
+        if self._released:
+            with collector_paused():
+                self._let_go()
+        elif self._dirty:
             self._forget_dead()
 
     def settle(self) -> None:
