@@ -150,3 +150,17 @@ def test_an_optimizers_weights_are_let_go_when_it_is_freed_and_a_loaded_copy_is_
     assert "kvguard: weights: 4 parameters and buffers watched over 1 optimizer step, 1 write at 1 site" \
         in result.stderr, result.stderr
     assert "after.py:14 aten.mul_.Tensor: 1 write to eval_model.weight" in result.stderr
+
+
+def test_the_docs_example_stops_at_the_stray_write() -> None:
+    """docs/weights.md's example, run as it says: each line the page shows is printed."""
+    root = Path(__file__).parent.parent
+    page = (root / "docs" / "weights.md").read_text()
+    shown = page.split("```text\n", 1)[1].split("```", 1)[0].strip().splitlines()
+    env = {**os.environ, "KVGUARD": "raise", "KVGUARD_TARGETS": "weights"}
+    result = subprocess.run([sys.executable, "examples/stray_weight_write.py"], cwd=root, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "trained" not in result.stdout
+    printed = [line.replace(str(root) + os.sep, "") for line in result.stderr.splitlines()]
+    for line in shown:
+        assert line in printed, f"{line!r} not in:\n{result.stderr}"
