@@ -156,7 +156,7 @@ def test_the_docs_example_stops_at_the_stray_write() -> None:
     """docs/weights.md's example, run as it says: each line the page shows is printed."""
     root = Path(__file__).parent.parent
     page = (root / "docs" / "weights.md").read_text()
-    shown = page.split("```text\n", 1)[1].split("```", 1)[0].strip().splitlines()
+    shown = page.split("```text\n", 1)[1].split("```", 1)[0].strip("\n").splitlines()
     env = {**os.environ, "KVGUARD": "raise", "KVGUARD_TARGETS": "weights"}
     result = subprocess.run([sys.executable, "examples/stray_weight_write.py"], cwd=root, env=env,
                             capture_output=True, text=True, timeout=120)
