@@ -227,3 +227,20 @@ def test_a_failing_step_still_gives_its_parameters_back_to_the_guard(engine: str
         with torch.no_grad():
             model.weight.add_(1)  # after the failed step: watched again
     assert [e.path for e in g.report.events] == ["model.weight"]
+
+
+def test_a_step_writing_a_parameter_that_a_buffer_aliases_is_intended(engine: str) -> None:
+    class Packed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(2, 2))
+            self.register_buffer("flat", self.weight.data.view(4), persistent=False)
+
+    model = Packed()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with kvguard.guard_module(model, optimizer=opt, action="raise") as g:
+        (model.weight * 2).sum().backward()
+        opt.step()
+        with pytest.raises(kvguard.MutationError):
+            model.flat.zero_()  # outside the step: a write to both names
+    assert not [e for e in g.report.events if not e.blocked]

@@ -28,7 +28,7 @@ from kvguard._protect.entries import Entry
 from kvguard._protect.protected import ProtectedSet
 
 # Functions whose writes to a guarded module's weights are its own (any module of the guarded tree).
-_LOADING = frozenset({"load_state_dict", "_load_from_state_dict", "_load", "load"})
+_LOADING = frozenset({"load_state_dict", "_load_from_state_dict", "load_weights"})  # torch's, vLLM's
 
 
 class _Root(NamedTuple):
@@ -50,6 +50,7 @@ class ModuleSet(ProtectedSet):
         self._owner: dict[int, weakref.ref[torch.nn.Module]] = {}  # id(buffer entry) -> the module owning it
         self._stepping: set[int] = set()  # ids of the entries an optimizer step is writing now
         self._guarded_modules: set[int] = set()  # ids of every module of the guarded trees
+        self._step_sets: dict[tuple[int, ...], list[Entry]] = {}  # a step's parameters -> all it writes
         super().__init__([], modules[0][0] if modules else "model", None, (), fingerprint=fingerprint)
 
     # -- entries ---------------------------------------------------------------------
@@ -121,12 +122,13 @@ class ModuleSet(ProtectedSet):
     def _scan_now(self, frames: Optional[list[Any]]) -> None:
         """Every parameter and buffer as the modules hold them now: new ones protected, replaced ones let go."""
         self._dirty = False
+        self._step_sets = {}
         self._drop_dead()
         named = self._named_tensors()
         entries = self._entries
         kept = {id(t) for _, t, _ in named}
         for key in [k for k in entries if k not in kept]:  # a parameter the module no longer holds
-            del entries[key]
+            self._owner.pop(id(entries.pop(key)), None)
         new = [(path, t, owner) for path, t, owner in named
                if (e := entries.get(id(t))) is None or e.ref() is not t]
         if new:
@@ -168,8 +170,19 @@ class ModuleSet(ProtectedSet):
         return _records.intervals(e.record for e in self._entries.values() if id(e) not in self._stepping)
 
     def begin_step(self, tensors: Iterable[torch.Tensor]) -> list[Entry]:
-        """An optimizer step starts writing `tensors`: their entries step aside until `end_step`."""
-        stepping = [e for t in tensors if (e := self.entry_of(t)) is not None]
+        """An optimizer step starts writing `tensors`: their entries, and the entries that share
+        their memory (a buffer aliasing a parameter), step aside until `end_step`."""
+        params = [e for t in tensors if (e := self.entry_of(t)) is not None]
+        key = tuple(map(id, params))
+        stepping = self._step_sets.get(key)
+        if stepping is None:  # once per optimizer while the entries stay as they are
+            self._memory.ensure(self._entries.values())
+            found = {id(e): e for e in params}
+            for entry in params:
+                tensor = entry.ref()
+                if tensor is not None:
+                    found.update((id(e), e) for e in self._memory.hits(tensor))
+            stepping = self._step_sets[key] = list(found.values())
         self.steps += 1
         self._stepping.update(map(id, stepping))
         if stepping:
