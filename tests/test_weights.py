@@ -179,7 +179,8 @@ def _free_port() -> int:
     ("weights_ddp_broadcast.py", "ok=True protected=9"),
 ], ids=["reused_receive_buffer", "ddp_broadcast_buffers"])
 def test_two_process_gloo_jobs(script: str, expected: str) -> None:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD") or k == "KVGUARD_CACHE_DIR"}
+    env["PYTHONWARNINGS"] = "ignore"
     result = subprocess.run([sys.executable, str(HERE / "integrations" / script), str(_free_port())], env=env,
                             capture_output=True, text=True, timeout=300)
     assert expected in result.stdout, result.stdout + result.stderr[-3000:]
@@ -244,3 +245,11 @@ def test_a_step_writing_a_parameter_that_a_buffer_aliases_is_intended(engine: st
         with pytest.raises(kvguard.MutationError):
             model.flat.zero_()  # outside the step: a write to both names
     assert not [e for e in g.report.events if not e.blocked]
+
+
+def test_kvguard_allow_blocks_count_intended_weight_writes(engine: str) -> None:
+    model = torch.nn.Linear(2, 2)
+    with kvguard.guard_module(model, action="raise") as g:
+        with kvguard.allow("re-initialise the head"), torch.no_grad():
+            model.weight.normal_()
+    assert g.report.ok and g.report.allowed == {"kvguard.allow('re-initialise the head')": 1}
