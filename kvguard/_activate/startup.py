@@ -122,11 +122,10 @@ def _print_summary() -> None:
     if not words_only:
         say("\n".join(PROCESS.tally.lines(_ranks.rank_tag(), calls=str(settings.calls))))
     tag = f"kvguard [{_ranks.rank_tag()}]" if _ranks.rank_tag() else "kvguard"
-    if "torch" not in sys.modules:  # a launcher's helper (multiprocessing's resource tracker): no weights here
-        return
-    if settings.autograd and not PROCESS.tally.counted("autograd"):
+    torch_here = "torch" in sys.modules  # not: a launcher's helper (multiprocessing's resource tracker)
+    if settings.autograd and torch_here and not PROCESS.tally.counted("autograd"):
         say(f"{tag}: autograd: the guard never started here, so nothing was saved for backward")
-    if settings.weights and not PROCESS.tally.counted("weights"):
+    if settings.weights and torch_here and not PROCESS.tally.counted("weights"):
         say(f"{tag}: weights: no optimizer was made and no module loaded a state dict here, so no weight was "
             "watched")
     for line in diagnostics(STATE, PROCESS, any(isinstance(x, ReportWriter) for x in PROCESS.listeners)):
