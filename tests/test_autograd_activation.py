@@ -71,6 +71,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow  # a megatron-core process each: CI runs them (-m slow)
 @pytest.mark.parametrize("variant", ["bug", "fixed"])
 def test_verl_2484_megatron_vocab_parallel_cross_entropy(variant: str) -> None:
     """Real megatron-core on a 1-process gloo group: its fp32 path writes logits an entropy saved."""
@@ -119,6 +120,7 @@ def test_the_marker_fails_a_test_at_the_write(pytester: pytest.Pytester, monkeyp
     result.stdout.fnmatch_lines(["*modified by an inplace operation*"])
 
 
+@pytest.mark.slow  # a megatron-core process each: CI runs them (-m slow)
 @pytest.mark.parametrize("variant", ["clean", "bug"])
 def test_ddp_over_a_megatron_mlp_on_gloo(variant: str) -> None:
     """torch DDP over Megatron-core's MLP (tensor-parallel linears) with AdamW, three steps."""

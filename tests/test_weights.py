@@ -172,6 +172,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow  # two gloo processes each: CI runs them (-m slow)
 @pytest.mark.any_engine
 @pytest.mark.parametrize("script, expected", [
     ("weights_receive_buffer.py",

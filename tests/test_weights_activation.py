@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 TRAIN = textwrap.dedent("""
     import torch
 
@@ -105,6 +107,7 @@ def test_a_named_weight_sync_is_intended_and_a_write_between_syncs_is_not() -> N
         "  allowed: 3 writes by allow=__main__:sync_weights"]
 
 
+@pytest.mark.slow  # two gloo processes: CI runs it (-m slow)
 def test_verl_7139_weights_left_as_views_of_a_receive_buffer_on_two_gloo_processes() -> None:
     import socket
 
@@ -169,6 +172,7 @@ def test_the_docs_example_stops_at_the_stray_write() -> None:
         assert line in printed, f"{line!r} not in:\n{result.stderr}"
 
 
+@pytest.mark.slow  # two gloo processes: CI runs it (-m slow)
 def test_a_two_process_ddp_job_with_broadcast_buffers_is_clean_on_the_env_var_alone() -> None:
     import socket
 
