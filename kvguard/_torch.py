@@ -824,6 +824,46 @@ def top_saved_tensors_pack() -> Any:
     return hooks[0] if hooks is not None else None
 
 
+def saved_tensors_hooks_disabled() -> bool:
+    """Whether saved-tensor hooks are refused here (inside `torch.func.grad`, `vjp`, `jacrev`, `hessian`)."""
+    return not torch._C._autograd._saved_tensors_hooks_is_enabled()  # type: ignore[attr-defined]
+
+
+def let_func_transforms_run(is_ours: Callable[[Any], bool]) -> None:
+    """`torch.func.grad`, `vjp`, `jacrev` and `hessian` refuse to run under saved-tensor hooks
+    (`torch.autograd.graph.disable_saved_tensors_hooks` raises): make that context set ours
+    aside for its stretch when ours are the innermost, as if no hooks were installed.
+
+    Patched once for the process; with anyone else's hooks innermost it behaves as torch's.
+    """
+    import contextlib
+
+    import torch.autograd.graph as graph
+
+    original = graph.disable_saved_tensors_hooks
+    if getattr(original, "_kvguard_aside", False):
+        return
+    autograd = torch._C._autograd
+
+    @contextlib.contextmanager
+    def disable_saved_tensors_hooks(error_message: str) -> Any:
+        top = autograd._top_saved_tensors_default_hooks(False)
+        if top is None or not is_ours(top[0]):
+            with original(error_message):
+                yield
+            return
+        autograd._pop_saved_tensors_default_hooks()
+        try:
+            with original(error_message):
+                yield
+        finally:
+            autograd._push_saved_tensors_default_hooks(*top)
+
+    disable_saved_tensors_hooks._kvguard_aside = True  # type: ignore[attr-defined]
+    disable_saved_tensors_hooks.__doc__ = original.__doc__
+    graph.disable_saved_tensors_hooks = disable_saved_tensors_hooks
+
+
 def allowing_mutation_on_saved_tensors() -> bool:
     """Whether `torch.autograd.graph.allow_mutation_on_saved_tensors()` is active: writes to saved
     tensors are legal there (autograd keeps a copy)."""

@@ -452,3 +452,35 @@ def test_a_tensor_subclass_that_refuses_detach_still_trains(engine: str) -> None
         y = x.as_subclass(Stubborn).exp()
         y.sum().backward()
     assert x.grad is not None and g.report.ok
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.func's first use scripts a helper (torch.jit)
+def test_torch_func_transforms_run_under_the_guard_with_the_same_results(engine: str) -> None:
+    """torch.func refuses saved-tensor hooks: the guard's step aside inside a transform."""
+    import torch.utils._pytree as pytree
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x).pow(2).sum()
+
+    x = torch.randn(3)
+
+    def transforms() -> tuple:  # type: ignore[type-arg]
+        return (torch.func.grad(f)(x), torch.func.jacrev(torch.sin)(x), torch.func.hessian(f)(x),
+                torch.func.vjp(torch.sin, x)[1](torch.ones(3)), torch.vmap(torch.sin)(torch.ones(2, 3)))
+
+    want = transforms()
+    with kvguard.guard_autograd(action="raise") as g:
+        got = transforms()
+        y = torch.randn(3, requires_grad=True).exp()
+        with pytest.raises(kvguard.MutationError):
+            y.add_(1)  # after the transforms: protected again
+    assert all(torch.equal(a, b) for a, b in zip(pytree.tree_leaves(want), pytree.tree_leaves(got)))
+    assert [e.path for e in g.report.events] == ["<saved by ExpBackward0: result>"]
+
+    def inner(t: torch.Tensor) -> torch.Tensor:
+        with pytest.warns(kvguard.GuardWarning, match="inside a torch.func transform"):
+            with kvguard.guard_autograd():
+                out = torch.sin(t).sum()
+        return out
+
+    assert torch.allclose(torch.func.grad(inner)(x), torch.cos(x))

@@ -151,3 +151,20 @@ def test_report_files_and_kvguard_report(tmp_path: Path) -> None:
     assert report.returncode == 1, report.stdout + report.stderr
     assert "<saved by SigmoidBackward0: result>" in report.stdout and "train.py:7" in report.stdout
     assert "autograd: 2 saved tensors protected in 2 forward passes, 1 write" in report.stdout
+
+
+def test_torch_func_runs_under_the_env_var(tmp_path: Path) -> None:
+    """A job using torch.func.grad keeps working with KVGUARD_TARGETS=autograd (it refuses saved-tensor hooks)."""
+    script = tmp_path / "func_job.py"
+    script.write_text(textwrap.dedent("""
+        import warnings
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import torch
+        x = torch.randn(3)
+        g = torch.func.grad(lambda t: torch.sin(t).sum())(x)
+        assert torch.allclose(g, torch.cos(x))
+        print("ok")
+    """))
+    env = {**os.environ, "KVGUARD": "raise", "KVGUARD_TARGETS": "autograd"}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -5,7 +5,8 @@ A `Guard` whose protected set is `kvguard._protect.saved.SavedSet`, fed by a pai
 active (`save_on_cpu`, checkpointing, `allow_mutation_on_saved_tensors`), backward reads
 what they kept, not the tensors: the guard installs nothing and protects nothing, and
 says so. Hooks installed inside the block take over for their own stretch, as they
-would without kvguard.
+would without kvguard. `torch.func`'s transforms refuse saved-tensor hooks: inside one,
+the guard's are set aside (see `_torch.let_func_transforms_run`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class AutogradGuard(Guard):
         self._account.label = AUTOGRAD_LABEL  # counted as `autograd`, from code or KVGUARD_TARGETS
         self._hooks: Any = None
         self._outer: Any = None  # the SavedSet of a guard_autograd this one was entered inside
+        self.inside_func_transform = False  # entered where saved-tensor hooks are refused (torch.func)
         self.graphs = 0  # forward passes that saved tensors under the guard (set at exit)
 
     def _new_protected(self) -> Any:
@@ -41,10 +43,13 @@ class AutogradGuard(Guard):
         from kvguard import _torch
         from kvguard._protect.saved import SavedSet
 
+        _torch.let_func_transforms_run(lambda pack: isinstance(getattr(pack, "__self__", None), SavedSet))
         pack = _torch.top_saved_tensors_pack()
         outer = getattr(pack, "__self__", None)
         self._outer = outer if isinstance(outer, SavedSet) and not outer.closed else None
-        self.delegated = self._outer is None and (pack is not None or _torch.allowing_mutation_on_saved_tensors())
+        self.inside_func_transform = _torch.saved_tensors_hooks_disabled()
+        self.delegated = self._outer is None and (pack is not None or _torch.allowing_mutation_on_saved_tensors()
+                                                  or self.inside_func_transform)
         super().__enter__()
         if self._outer is not None:  # inside another guard_autograd: its packs are this one's too
             self._outer.followers.append(self._protected)
@@ -68,7 +73,11 @@ class AutogradGuard(Guard):
         return super().__exit__(exc_type, exc, tb)
 
     def _warn_if_blind(self) -> None:
-        if self.delegated:
+        if self.inside_func_transform and self._outer is None:
+            self._warn("kvguard.guard_autograd() protected no tensor: it began inside a torch.func transform "
+                       "(grad, vjp, jacrev, hessian), where saved-tensor hooks are refused; enter it outside the "
+                       "transform", GuardWarning)
+        elif self.delegated:
             self._warn("kvguard.guard_autograd() protected no tensor: other saved_tensors_hooks were active when "
                        "it began (save_on_cpu, checkpointing, allow_mutation_on_saved_tensors, offloading), so "
                        "backward reads what they kept; enter guard_autograd outside them", GuardWarning)
