@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import threading
 from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
 import torch
@@ -693,6 +694,46 @@ def on_swap_tensors(listener: SwapListener) -> Callable[[], None]:
             torch.utils.swap_tensors = _swap_original
             _swap_original = None
     return remove
+
+
+_conversion_listeners: list[Callable[[Any], None]] = []
+_apply_original: Any = None
+
+
+def on_module_conversion(listener: Callable[[Any], None]) -> Callable[[], None]:
+    """Call `listener(module)` after each outermost `Module._apply` (`to`, `half`, `float`, `cpu`,
+    `cuda`...): it re-points parameters with `p.data = ...`, which no dispatched op shows.
+    Returns the undo."""
+    global _apply_original
+    if not _conversion_listeners:
+        _apply_original = torch.nn.Module._apply
+        torch.nn.Module._apply = _apply  # type: ignore[method-assign]
+    _conversion_listeners.append(listener)
+
+    def remove() -> None:
+        global _apply_original
+        if listener in _conversion_listeners:
+            _conversion_listeners.remove(listener)
+        if not _conversion_listeners and _apply_original is not None:
+            torch.nn.Module._apply = _apply_original  # type: ignore[method-assign]
+            _apply_original = None
+    return remove
+
+
+_converting = threading.local()
+
+
+def _apply(self: Any, *args: Any, **kwargs: Any) -> Any:
+    original = _apply_original if _apply_original is not None else type(self)._apply
+    depth = getattr(_converting, "depth", 0)
+    _converting.depth = depth + 1
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        _converting.depth = depth
+        if depth == 0:
+            for listener in list(_conversion_listeners):
+                listener(self)
 
 
 def _swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:

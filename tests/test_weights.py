@@ -254,3 +254,17 @@ def test_kvguard_allow_blocks_count_intended_weight_writes(engine: str) -> None:
         with kvguard.allow("re-initialise the head"), torch.no_grad():
             model.weight.normal_()
     assert g.report.ok and g.report.allowed == {"kvguard.allow('re-initialise the head')": 1}
+
+
+def test_a_conversion_is_the_trainers_and_the_weights_are_watched_after_it(engine: str) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with kvguard.guard_module(model, optimizer=opt, action="raise") as g:
+        model.double()  # re-points every parameter with p.data = ...: meant
+        model.float()
+        with pytest.raises(kvguard.MutationError) as info:
+            with torch.no_grad():
+                model[0].weight.mul_(2)  # after the conversion: the new memory is watched
+    assert info.value.event.path == "model.0.weight"
+    assert [e.path for e in g.report.events] == ["model.0.weight"]
+    assert torch.nn.Module._apply.__module__ == "torch.nn.modules.module"  # undone at exit

@@ -194,3 +194,20 @@ def test_weights_mixes_with_presets() -> None:
 
     settings = _config.from_env({"KVGUARD": "warn", "KVGUARD_TARGETS": "weights,slime,autograd"})
     assert settings.weights and settings.autograd and settings.targets
+
+
+def test_converting_the_model_at_the_end_of_training_is_not_a_finding(tmp_path: Path) -> None:
+    script = tmp_path / "convert.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        model.half()   # saved in half precision, as many jobs do at the end
+    """))
+    env = {**os.environ, "KVGUARD": "raise", "KVGUARD_TARGETS": "weights"}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0
+    assert result.stderr.strip() == ("kvguard: weights: 2 parameters and buffers watched over 1 optimizer step, "
+                                     "no in-place writes")

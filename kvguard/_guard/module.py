@@ -37,9 +37,18 @@ class ModuleGuard(Guard):
         return ModuleSet(self.modules, fingerprint=self.fingerprint)
 
     def __enter__(self) -> ModuleGuard:
+        from kvguard import _torch
+
         super().__enter__()
         for optimizer in self.optimizers:
             self._unwrap.append(_wrap_step(optimizer, self))
+        protected = weakref.ref(self._protected)  # conversions (`model.half()`) are the trainer's writes
+
+        def converted(module: Any) -> None:
+            live = protected()
+            if live is not None:
+                live.converted(module)
+        self._unwrap.append(_torch.on_module_conversion(converted))
         return self
 
     def add_optimizer(self, optimizer: Any, modules: list[tuple[str, Any]], loose: list[tuple[str, Any]]) -> None:

@@ -229,6 +229,17 @@ class ModuleSet(ProtectedSet):
             frame = frame.f_back
         return intended
 
+    def converted(self, module: torch.nn.Module) -> None:
+        """`module` was converted (`to`, `half`...), re-pointing its weights with `p.data = ...`: a
+        write the trainer means. Its entries follow their memory and values from now on."""
+        if id(module) not in self._guarded_modules:
+            return
+        with collector_paused():
+            self._scan_now(None)
+            tensors = {id(t) for _, m in module.named_modules() for t in (*m.parameters(recurse=False),
+                                                                             *m.buffers(recurse=False))}
+            self.explain([e for e in self._entries.values() if id(e.ref()) in tensors])
+
     def close(self) -> None:
         self._stepping.clear()
         self._owner.clear()
