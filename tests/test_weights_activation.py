@@ -211,3 +211,13 @@ def test_converting_the_model_at_the_end_of_training_is_not_a_finding(tmp_path: 
     assert result.returncode == 0
     assert result.stderr.strip() == ("kvguard: weights: 2 parameters and buffers watched over 1 optimizer step, "
                                      "no in-place writes")
+
+
+def test_a_realistic_fine_tuning_loop_is_clean_under_autograd_and_weights() -> None:
+    env = {**os.environ, "KVGUARD": "raise", "KVGUARD_TARGETS": "autograd,weights"}
+    result = subprocess.run([sys.executable, str(SHAPES.parent / "realistic_finetune.py")], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert lines == ["kvguard: autograd: 544 saved tensors protected in 8 forward passes, no in-place writes",
+                     "kvguard: weights: 29 parameters and buffers watched over 4 optimizer steps, no in-place writes"]

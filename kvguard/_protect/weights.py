@@ -7,7 +7,8 @@ a trainer means are not reported:
 - inside an optimizer's `step()` (`stepping`: the step's parameters leave the write
   hook's memory for the step, so its writes cost nothing, then their digests start again);
 - inside `load_state_dict` of a guarded module (it exists to write weights);
-- a module's own `forward` updating its own buffers (batch norm's running statistics);
+- a module's own `forward` updating its own buffers (batch norm's running statistics), and
+  one of torch.nn's modules updating its own parameters (an Embedding with `max_norm`);
 - DistributedDataParallel's own broadcasts of the guarded module's buffers and parameters.
 
 The last three are read from the stack of the writing op, which only a write that hits
@@ -47,7 +48,9 @@ class ModuleSet(ProtectedSet):
         self._roots: list[_Root] = [_Root(n, weakref.ref(m), None) for n, m in modules]
         self._loose: list[_Root] = []
         self._released: list[Any] = []
-        self._owner: dict[int, weakref.ref[torch.nn.Module]] = {}  # id(buffer entry) -> the module owning it
+        # id(entry) -> the module whose own forward may write it: a buffer's module; a parameter's
+        # when that module is one of torch.nn's (an Embedding with max_norm renormalises its weight)
+        self._owner: dict[int, weakref.ref[torch.nn.Module]] = {}
         self._stepping: set[int] = set()  # ids of the entries an optimizer step is writing now
         self._guarded_modules: set[int] = set()  # ids of every module of the guarded trees
         self._step_sets: dict[tuple[int, ...], list[Entry]] = {}  # a step's parameters -> all it writes
@@ -56,7 +59,8 @@ class ModuleSet(ProtectedSet):
     # -- entries ---------------------------------------------------------------------
 
     def _named_tensors(self) -> list[tuple[str, torch.Tensor, Optional[torch.nn.Module]]]:
-        """(path, tensor, owner for buffers) of every module's parameters and buffers, each tensor once."""
+        """(path, tensor, the module whose forward may write it, if any) of every module's parameters
+        and buffers, each tensor once."""
         found: list[tuple[str, torch.Tensor, Optional[torch.nn.Module]]] = []
         seen: set[int] = set()
         modules: set[int] = set()
@@ -66,10 +70,11 @@ class ModuleSet(ProtectedSet):
                 continue
             for prefix, module in root.named_modules(prefix=name):
                 modules.add(id(module))
+                own_params = type(module).__module__.startswith("torch.nn.")
                 for pname, param in module.named_parameters(recurse=False):
                     if id(param) not in seen:
                         seen.add(id(param))
-                        found.append((f"{prefix}.{pname}", param, None))
+                        found.append((f"{prefix}.{pname}", param, module if own_params else None))
                 for bname, buf in module.named_buffers(recurse=False):
                     if buf is not None and id(buf) not in seen:
                         seen.add(id(buf))
