@@ -484,3 +484,14 @@ def test_torch_func_transforms_run_under_the_guard_with_the_same_results(engine:
         return out
 
     assert torch.allclose(torch.func.grad(inner)(x), torch.cos(x))
+
+
+def test_saved_tensors_not_yet_protected_are_held_weakly(engine: str) -> None:
+    """A graph freed before any write op (no look yet) frees what it saved at once: the peak
+    memory of a backward stays autograd's (it frees each node's saved tensors as it goes)."""
+    x = torch.randn(1000, requires_grad=True)
+    with kvguard.guard_autograd() as g:
+        z = x.exp().sin()  # saves exp's result and sin's input: nothing has looked at them yet
+        assert g._protected.alive == 2
+        del z  # the graph goes, with no write op in between
+        assert g._protected.alive == 0

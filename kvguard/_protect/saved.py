@@ -83,7 +83,9 @@ class SavedSet(ProtectedSet):
     judges_uncounted = False
 
     def __init__(self, name: str, fingerprint: bool = False) -> None:
-        self._pending: list[Saved] = []
+        # Packs not protected yet, held weakly: a backward that runs before the next look frees
+        # what it read as it goes, as it would without kvguard (the peak memory stays autograd's).
+        self._pending: list[_TensorOf] = []
         self._roots: collections.deque[weakref.ref[torch.Tensor]] = collections.deque(maxlen=_ROOTS)
         self._thread = threading.get_ident()
         self.counter_only: frozenset[int] = frozenset()
@@ -111,7 +113,8 @@ class SavedSet(ProtectedSet):
         if self._backward_since_pack:
             self._backward_since_pack = False
             self.graphs += 1
-        self._pending.append(saved)
+        self._pending.append(_TensorOf(saved, self._on_death))
+        self.protected_count += 1  # protected from now: a write looks at what waits first
         if tensor.requires_grad:  # a start for the search of savers (`_find_savers`)
             self._roots.append(weakref.ref(tensor))
         if len(self._pending) >= FLUSH_EVERY and threading.get_ident() == self._thread:
@@ -158,17 +161,17 @@ class SavedSet(ProtectedSet):
         if self._dirty:  # forget the dead first: entries of freed graphs never pile up
             self._forget_dead()
         with collector_paused():  # a batch of new objects: no collection over the whole heap midway
-            pending = self._pending[:]
+            live = [(ref, saved) for ref in self._pending if (saved := ref.saved()) is not None]
             self._pending.clear()  # the watch compares it with an empty snapshot again
-            records = self._describe([s.tensor for s in pending])
-            on_death, entries, ref = self._on_death, self._entries, _TensorOf
+            records = self._describe([saved.tensor for _, saved in live])
+            entries = self._entries
             added = []
-            for saved, record in zip(pending, records):
+            for (ref, saved), record in zip(live, records):
                 site = saved.site
-                entry = entries[id(saved.tensor)] = Entry(_UNNAMED, record, ref(saved, on_death),
+                entry = entries[id(saved.tensor)] = Entry(_UNNAMED, record, ref,
                                                           _site_text(site) if site is not None else None)
                 added.append(entry)
-            self.protected_count += len(added)
+            del live
             # The lookup index is built when Python is next asked about a write (rarely, for what
             # autograd saved); the write hook learns the new memory now.
             self._memory.invalidate()
@@ -201,7 +204,8 @@ class SavedSet(ProtectedSet):
     @property
     def alive(self) -> int:
         """Saved tensors protected now."""
-        return sum(1 for e in self._entries.values() if e.ref() is not None) + len(self._pending)
+        return sum(1 for e in self._entries.values() if e.ref() is not None) + sum(
+            1 for ref in self._pending if ref.saved() is not None)
 
     # -- writes ----------------------------------------------------------------------
 
