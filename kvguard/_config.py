@@ -227,11 +227,6 @@ def names_word(value: str, word: str) -> bool:
     return any(item.strip().lower() == word for item in value.split(","))
 
 
-def names_autograd(value: str) -> bool:
-    """Whether a KVGUARD_TARGETS value names `autograd` (any case)."""
-    return names_word(value, AUTOGRAD)
-
-
 def parse_targets(value: str, source: str = env_source("KVGUARD_TARGETS")) -> tuple[Target, ...]:
     """Targets from a comma-separated list; names `source` on error.
 
@@ -300,9 +295,9 @@ def from_env(environ: Mapping[str, str]) -> Settings:
     action = parse_action(read("KVGUARD", environ), env_source("KVGUARD"))
     if action == OFF:
         return Settings()
-    targets = parse_targets(read("KVGUARD_TARGETS", environ))
+    named = read("KVGUARD_TARGETS", environ)
+    targets = parse_targets(named)
     defaults = guard_defaults(environ)
     return Settings(action, targets, defaults.report_dir, defaults.keys, defaults.ignore or (), defaults.allow or (),
                     defaults.calls or Calls(), defaults.level or "full", defaults,
-                    names_autograd(read("KVGUARD_TARGETS", environ)),
-                    names_word(read("KVGUARD_TARGETS", environ), WEIGHTS))
+                    names_word(named, AUTOGRAD), names_word(named, WEIGHTS))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvguard._errors import MutationError
 from kvguard._state import STATE
 from kvguard._text import say
 
@@ -29,19 +28,14 @@ def install(settings: Any) -> None:
         except Exception as exc:  # noqa: BLE001 - a debug switch must not kill the job
             say(f"kvguard: KVGUARD_TARGETS=autograd not activated: {exc}")
     wrapt.register_post_import_hook(start, "torch")
-    from kvguard._activate.tracebacks import end_at_the_users_line
+    from kvguard._activate.process_guards import end_at_the_users_line
 
     end_at_the_users_line()
 
 
 def stop() -> None:
     """Leave the process's autograd guard (at exit): its counts go into the summary."""
+    from kvguard._activate.process_guards import leave
+
     guard, STATE.autograd = STATE.autograd, None
-    if guard is None:
-        return
-    try:
-        guard.__exit__(None, None, None)
-    except MutationError as exc:  # at exit, a finding is a line, not a traceback
-        say(f"kvguard: {exc.args[0].splitlines()[0]}")
-    except Exception as exc:  # noqa: BLE001
-        say(f"kvguard: autograd guard: {exc}")
+    leave(guard, "autograd guard")

@@ -21,7 +21,6 @@ import sys
 import threading
 from typing import Any
 
-from kvguard._errors import MutationError
 from kvguard._state import STATE
 from kvguard._text import say
 
@@ -51,7 +50,7 @@ def install(settings: Any) -> None:
         STATE.undo.append(lambda: setattr(optimizer_class, "__init__", original))
         _patch_loads(torch.nn.Module, settings)
     wrapt.register_post_import_hook(patch, "torch")
-    from kvguard._activate.tracebacks import end_at_the_users_line
+    from kvguard._activate.process_guards import end_at_the_users_line
 
     end_at_the_users_line()
 
@@ -142,12 +141,7 @@ def _holders(optimizer: Any, frame: Any) -> tuple[list[tuple[str, Any]], list[tu
 
 def stop() -> None:
     """Leave the process's weights guard (at exit): its counts go into the summary."""
+    from kvguard._activate.process_guards import leave
+
     guard, STATE.weights = STATE.weights, None
-    if guard is None:
-        return
-    try:
-        guard.__exit__(None, None, None)
-    except MutationError as exc:  # at exit, a finding is a line, not a traceback
-        say(f"kvguard: {exc.args[0].splitlines()[0]}")
-    except Exception as exc:  # noqa: BLE001
-        say(f"kvguard: weights guard: {exc}")
+    leave(guard, "weights guard")
