@@ -10,7 +10,7 @@ is not a plain addition.
 from __future__ import annotations
 
 import bisect
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -76,13 +76,11 @@ class MemoryIndex:
         if self.by_identity:
             return True
         for tensor in written:
-            try:
-                storage = tensor.untyped_storage()
-                lo = storage.data_ptr()
-                hi = lo + storage.nbytes()
-                groups = self._groups.get(tensor.device)
-            except Exception:  # noqa: BLE001 - sparse and other storage-less tensors
+            storage = _storage_range(tensor)
+            if storage is None:
                 return True
+            lo, hi = storage
+            groups = self._groups.get(tensor.device)
             if lo == 0 or (groups is not None and groups.meets(lo, hi)):
                 return True
         return False
@@ -106,13 +104,11 @@ class MemoryIndex:
 
     def in_storage_of(self, tensor: torch.Tensor) -> list[Entry]:
         """The entries whose memory lies in `tensor`'s storage (strided tensors; none for others)."""
-        try:
-            storage = tensor.untyped_storage()
-            lo = storage.data_ptr()
-            hi = lo + storage.nbytes()
-            groups = self._groups.get(tensor.device)
-        except Exception:  # noqa: BLE001 - sparse and other storage-less tensors
+        storage = _storage_range(tensor)
+        if storage is None:
             return []
+        lo, hi = storage
+        groups = self._groups.get(tensor.device)
         found: list[Entry] = []
         for members in groups.meeting(lo, hi) if groups is not None and lo else ():
             found += [e for e in members if e not in found]
@@ -120,6 +116,17 @@ class MemoryIndex:
 
     def clear(self) -> None:
         self._groups, self.by_identity, self.stale = {}, {}, False
+
+
+def _storage_range(tensor: torch.Tensor) -> Optional[tuple[int, int]]:
+    """`[lo, hi)`, the bytes of `tensor`'s whole storage (lo 0: none allocated); None for sparse
+    and other storage-less tensors."""
+    try:
+        storage = tensor.untyped_storage()
+        lo = storage.data_ptr()
+        return lo, lo + storage.nbytes()
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _overlaps(span: _torch.Span, written: torch.Tensor, entry: Entry) -> bool:

@@ -186,7 +186,7 @@ class ProtectedSet:
         """
         live = [(e, t) for e in entries if (t := e.ref()) is not None]
         moved = False
-        for (entry, _), record in zip(live, _records.describe([t for _, t in live], False, self._compiled)):
+        for (entry, _), record in zip(live, self._records_of([t for _, t in live], digest=False)):
             if record[LAYOUT] != entry.record[LAYOUT]:
                 entry.record = record
                 moved = True
@@ -231,9 +231,14 @@ class ProtectedSet:
             self._dirty = False
         self._rebuild_index()
 
+    def _records_of(self, tensors: Sequence[torch.Tensor], digest: Optional[bool] = None) -> list[_records.Record]:
+        """Each tensor's record as this set keeps them: its fingerprint setting (unless `digest`
+        says otherwise), from the one source it reads records with (`records.describe`)."""
+        return _records.describe(tensors, self._fingerprint if digest is None else digest, self._compiled)
+
     def _add(self, leaves: list[_tree.Leaf], frames: Optional[list[Any]]) -> list[Entry]:
         """Protect newly reached tensors: their records (memory, layout, digest) in one batch."""
-        records = _records.describe([leaf.tensor for leaf in leaves], self._fingerprint, self._compiled)
+        records = self._records_of([leaf.tensor for leaf in leaves])
         on_death, entries = self._on_death, self._entries
         placements = None if frames is None else _frames.Placements(frames)  # each frame read once
         added = []
@@ -301,7 +306,7 @@ class ProtectedSet:
 
     def _changes_now(self) -> list[Change]:
         live = [(e, t) for e in list(self._entries.values()) if (t := e.ref()) is not None]
-        records = _records.describe([t for _, t in live], self._fingerprint, self._compiled)
+        records = self._records_of([t for _, t in live])
         agrees = _digest.same_all([e.digest for e, _ in live], [r[DIGEST] for r in records])
         found = []
         moved = False
@@ -340,7 +345,7 @@ class ProtectedSet:
         def restore() -> None:
             for entry, tensor in held:
                 entry.ref = weakref.ref(tensor, self._on_death)
-            for (entry, _), record in zip(held, _records.describe([t for _, t in held], False, self._compiled)):
+            for (entry, _), record in zip(held, self._records_of([t for _, t in held], digest=False)):
                 entry.record = record
             if held:
                 self._rebuild_index()
@@ -380,7 +385,7 @@ class ProtectedSet:
     def relayout(self, entry: Entry) -> None:
         tensor = entry.ref()
         if tensor is not None:
-            entry.record = _records.describe([tensor], False, self._compiled)[0]
+            entry.record = self._records_of([tensor], digest=False)[0]
             self._rebuild_index()
 
     # -- exit ------------------------------------------------------------------------

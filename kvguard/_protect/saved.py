@@ -163,7 +163,7 @@ class SavedSet(ProtectedSet):
         with collector_paused():  # a batch of new objects: no collection over the whole heap midway
             live = [(ref, saved) for ref in self._pending if (saved := ref.saved()) is not None]
             self._pending.clear()  # the watch compares it with an empty snapshot again
-            records = self._describe([saved.tensor for _, saved in live])
+            records = self._records_of([saved.tensor for _, saved in live])
             entries = self._entries
             added = []
             for (ref, saved), record in zip(live, records):
@@ -176,11 +176,6 @@ class SavedSet(ProtectedSet):
             # autograd saved); the write hook learns the new memory now.
             self._memory.invalidate()
             self._rebuild_index(added)
-
-    def _describe(self, tensors: list[torch.Tensor]) -> list[Any]:
-        from kvguard._protect import records as _records
-
-        return _records.describe(tensors, self._fingerprint, self._compiled)
 
     def _scan_now(self, frames: Optional[list[Any]]) -> None:
         self._dirty = False

@@ -137,7 +137,7 @@ class ModuleSet(ProtectedSet):
         new = [(path, t, owner) for path, t, owner in named
                if (e := entries.get(id(t))) is None or e.ref() is not t]
         if new:
-            records = _describe(self, [t for _, t, _ in new])
+            records = self._records_of([t for _, t, _ in new])
             for (path, tensor, owner), record in zip(new, records):
                 entry = entries[id(tensor)] = Entry(path, record, weakref.ref(tensor, self._on_death), None)
                 if owner is not None:
@@ -250,9 +250,3 @@ class ModuleSet(ProtectedSet):
         self._owner.clear()
         self._roots = []
         super().close()
-
-
-def _describe(protected: ProtectedSet, tensors: list[torch.Tensor]) -> list[Any]:
-    from kvguard._protect import records as _records
-
-    return _records.describe(tensors, protected._fingerprint, protected._compiled)

@@ -194,18 +194,24 @@ def display_label(label: str) -> str:
     return label if ":" in label or label in (AUTOGRAD_LABEL, WEIGHTS_LABEL) else f"kvguard.guard({label})"
 
 
+def watched(label: str, protected: int, graphs: int, steps: int) -> str:
+    """What a process guard watched (`autograd`, `weights`): `1,204 saved tensors protected in 12
+    forward passes`, `148 parameters and buffers watched over 12 optimizer steps`."""
+    if label == AUTOGRAD_LABEL:
+        return f"{plural(protected, 'saved tensor')} protected in {plural(graphs, 'forward pass', 'forward passes')}"
+    return (f"{plural(protected, 'parameter and buffer', 'parameters and buffers')} watched "
+            + (f"over {plural(steps, 'optimizer step')}" if steps else "(no optimizer step)"))
+
+
 def _head(stats: TargetStats, sites: dict[SiteKey, SiteStats], calls: Optional[str], label: str = "") -> str:
     """`3 guarded calls (…left unguarded…), 2 calls not run here (…), 84 tensors protected, 6 writes at 2 sites`;
     for what autograd saved, `1,204 saved tensors protected in 12 forward passes, no in-place writes`; for
     the weights, `148 parameters and buffers watched over 12 optimizer steps, no in-place writes`."""
     if label in (AUTOGRAD_LABEL, WEIGHTS_LABEL):
         writes = sum(site.writes for site in sites.values())
-        head = (f"{plural(stats.protected, 'saved tensor')} protected in "
-                f"{plural(stats.graphs, 'forward pass', 'forward passes')}" if label == AUTOGRAD_LABEL else
-                f"{plural(stats.protected, 'parameter and buffer', 'parameters and buffers')} watched "
-                + (f"over {plural(stats.steps, 'optimizer step')}" if stats.steps else "(no optimizer step)"))
-        return (head + (f", {plural(writes, 'write')} at {plural(len(sites), 'site')}" if sites else
-                        ", no in-place writes")
+        return (watched(label, stats.protected, stats.graphs, stats.steps)
+                + (f", {plural(writes, 'write')} at {plural(len(sites), 'site')}" if sites else
+                   ", no in-place writes")
                 + (f", {sum(stats.allowed.values()):,} allowed" if stats.allowed else ""))
     head = plural(stats.calls, "guarded call")
     if stats.unguarded_calls:
