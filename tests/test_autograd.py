@@ -12,6 +12,7 @@ import gc
 import inspect
 import warnings
 import weakref
+from typing import Callable
 
 import pytest
 import torch
@@ -256,6 +257,20 @@ def test_a_custom_functions_saved_output_written_through_a_view(engine: str) -> 
     assert g.report.ok
 
 
+def _caught_and_clean_when_fixed(run: Callable[..., torch.Tensor]) -> kvguard.MutationEvent:
+    """A corpus bug, `run(fixed=...)` as its users wrote it: without kvguard backward raises
+    PyTorch's error; under the guard the write is stopped (its event is returned); the fix is clean."""
+    with pytest.raises(RuntimeError, match=TORCH_SAYS):
+        run(fixed=False).backward()
+    with pytest.raises(kvguard.MutationError) as info:
+        with kvguard.guard_autograd(action="raise"):
+            run(fixed=False)
+    with kvguard.guard_autograd(action="raise") as g:
+        run(fixed=True).backward()
+    assert g.report.ok
+    return info.value.event
+
+
 def test_inputs_embeds_plus_zero_times_image_embeds_mean(engine: str) -> None:
     """verl #5881: `inputs_embeds += 0.0 * image_embeds.mean()` on embeddings a layer saved."""
     torch.manual_seed(0)
@@ -272,16 +287,9 @@ def test_inputs_embeds_plus_zero_times_image_embeds_mean(engine: str) -> None:
             inputs_embeds += 0.0 * image.mean()  # the bug
         return proj(inputs_embeds + gate).sum()
 
-    with pytest.raises(RuntimeError, match=TORCH_SAYS):  # what the user sees without kvguard
-        forward(fixed=False).backward()
-    with pytest.raises(kvguard.MutationError) as info:
-        with kvguard.guard_autograd(action="raise"):
-            forward(fixed=False)
-    assert info.value.event.code == "inputs_embeds += 0.0 * image.mean()  # the bug"
-    assert info.value.event.path == "<saved by MulBackward0: self>"
-    with kvguard.guard_autograd(action="raise") as g:
-        forward(fixed=True).backward()
-    assert g.report.ok
+    event = _caught_and_clean_when_fixed(forward)
+    assert event.code == "inputs_embeds += 0.0 * image.mean()  # the bug"
+    assert event.path == "<saved by MulBackward0: self>"
 
 
 def test_slime_get_log_probs_and_entropy_divides_the_models_output_in_place(engine: str) -> None:
@@ -302,16 +310,9 @@ def test_slime_get_log_probs_and_entropy_divides_the_models_output_in_place(engi
         entropy = -(log_probs.exp() * log_probs).sum(-1)
         return log_probs.mean() + entropy.mean()
 
-    with pytest.raises(RuntimeError, match=TORCH_SAYS):  # what the user sees without kvguard
-        get_log_probs_and_entropy(fixed=False).backward()
-    with pytest.raises(kvguard.MutationError) as info:
-        with kvguard.guard_autograd(action="raise"):
-            get_log_probs_and_entropy(fixed=False)
-    assert info.value.event.path == "<saved by TanhBackward0: result>"
-    assert info.value.event.lineno == _line("logits.div_(temperature)  # the bug")
-    with kvguard.guard_autograd(action="raise") as g:
-        get_log_probs_and_entropy(fixed=True).backward()
-    assert g.report.ok
+    event = _caught_and_clean_when_fixed(get_log_probs_and_entropy)
+    assert event.path == "<saved by TanhBackward0: result>"
+    assert event.lineno == _line("logits.div_(temperature)  # the bug")
 
 
 def test_a_training_step_with_batch_norm_dropout_lstm_and_adamw_reports_nothing(engine: str) -> None:

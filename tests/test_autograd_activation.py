@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvguard import _config
+from processes import free_port, run_python
 
 pytest_plugins = ["pytester"]
 HERE = Path(__file__).parent
@@ -30,9 +30,7 @@ TRAIN = textwrap.dedent("""
 def _run(tmp_path: Path, action: str, bug_step: int, targets: str = "autograd") -> subprocess.CompletedProcess[str]:
     script = tmp_path / "train.py"
     script.write_text(TRAIN.replace("BUG_STEP", str(bug_step)))
-    env = {**os.environ, "KVGUARD": action, "KVGUARD_TARGETS": targets}
-    return subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    return run_python(script, cwd=tmp_path, KVGUARD=action, KVGUARD_TARGETS=targets)
 
 
 def test_raise_stops_the_write_at_its_line_on_the_env_var_alone(tmp_path: Path) -> None:
@@ -65,20 +63,18 @@ def test_autograd_mixes_with_other_targets() -> None:
     assert not _config.from_env({"KVGUARD": "raise", "KVGUARD_TARGETS": "slime"}).autograd
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _megatron_job(script: str, variant: str) -> subprocess.CompletedProcess[str]:
+    """One of `integrations/`'s megatron-core jobs (a 1-process gloo group), under KVGUARD_TARGETS=autograd."""
+    pytest.importorskip("megatron.core")
+    return run_python(HERE / "integrations" / script, variant, free_port(), timeout=300, KVGUARD="raise",
+                      KVGUARD_TARGETS="autograd", PYTHONWARNINGS="ignore")
 
 
 @pytest.mark.slow  # a megatron-core process each: CI runs them (-m slow)
 @pytest.mark.parametrize("variant", ["bug", "fixed"])
 def test_verl_2484_megatron_vocab_parallel_cross_entropy(variant: str) -> None:
     """Real megatron-core on a 1-process gloo group: its fp32 path writes logits an entropy saved."""
-    pytest.importorskip("megatron.core")
-    env = {**os.environ, "KVGUARD": "raise", "KVGUARD_TARGETS": "autograd", "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run([sys.executable, str(HERE / "integrations" / "verl_2484_cross_entropy.py"), variant,
-                             str(_free_port())], env=env, capture_output=True, text=True, timeout=300)
+    result = _megatron_job("verl_2484_cross_entropy.py", variant)
     if variant == "bug":
         assert result.returncode != 0
         assert ("kvguard.MutationError: <saved by MulBackward0: other> would be modified in place by "
@@ -124,10 +120,7 @@ def test_the_marker_fails_a_test_at_the_write(pytester: pytest.Pytester, monkeyp
 @pytest.mark.parametrize("variant", ["clean", "bug"])
 def test_ddp_over_a_megatron_mlp_on_gloo(variant: str) -> None:
     """torch DDP over Megatron-core's MLP (tensor-parallel linears) with AdamW, three steps."""
-    pytest.importorskip("megatron.core")
-    env = {**os.environ, "KVGUARD": "raise", "KVGUARD_TARGETS": "autograd", "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run([sys.executable, str(HERE / "integrations" / "ddp_megatron_mlp_steps.py"), variant,
-                             str(_free_port())], env=env, capture_output=True, text=True, timeout=300)
+    result = _megatron_job("ddp_megatron_mlp_steps.py", variant)
     assert "megatron MLP built" in result.stdout
     if variant == "clean":
         assert result.returncode == 0, result.stderr
@@ -141,9 +134,8 @@ def test_ddp_over_a_megatron_mlp_on_gloo(variant: str) -> None:
 def test_report_files_and_kvguard_report(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(TRAIN.replace("BUG_STEP", "1"))
-    env = {**os.environ, "KVGUARD": "warn", "KVGUARD_TARGETS": "autograd", "KVGUARD_REPORT_DIR": str(tmp_path / "r")}
-    result = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
-                            timeout=120)
+    result = run_python(script, cwd=tmp_path, KVGUARD="warn", KVGUARD_TARGETS="autograd",
+                        KVGUARD_REPORT_DIR=str(tmp_path / "r"))
     assert result.returncode == 1 and "modified by an inplace operation" in result.stderr
     report = subprocess.run([sys.executable, "-m", "kvguard", "report", str(tmp_path / "r")], capture_output=True,
                             text=True, timeout=120,
@@ -165,6 +157,5 @@ def test_torch_func_runs_under_the_env_var(tmp_path: Path) -> None:
         assert torch.allclose(g, torch.cos(x))
         print("ok")
     """))
-    env = {**os.environ, "KVGUARD": "raise", "KVGUARD_TARGETS": "autograd"}
-    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    result = run_python(script, KVGUARD="raise", KVGUARD_TARGETS="autograd")
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

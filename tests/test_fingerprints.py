@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import socket
 import threading
 from typing import Any, Callable
 
@@ -19,6 +18,7 @@ import torch
 
 import kvguard
 from kvguard._protect import digest as _digest
+from processes import free_port
 
 
 # -- the digest ------------------------------------------------------------------------------
@@ -251,9 +251,7 @@ def mesh() -> Any:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
@@ -324,9 +322,7 @@ def test_dtensor_on_two_gloo_processes(tmp_path: Any) -> None:
 
     script = tmp_path / "two_ranks.py"
     script.write_text(TWO_RANKS)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD")}
     result = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True,
                             timeout=180, env={**env, "OMP_NUM_THREADS": "1"})

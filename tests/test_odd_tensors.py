@@ -5,7 +5,6 @@ summary can be read; the only exception a guard raises is `MutationError` under 
 from __future__ import annotations
 
 import io
-import socket
 import sys
 import warnings
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import kvguard
 from kvguard._engine import diff as _diff
 from kvguard._report import render as _render
 from kvguard._report.events import MutationEvent
+from processes import free_port
 
 ACTIONS = ("record", "warn", "raise")
 FLOAT8 = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
@@ -162,18 +162,12 @@ def test_nan_to_nan_is_no_change_in_float8() -> None:
 # -- DTensor on a real one-process gloo mesh ---------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[Any]:
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available() or dist.is_initialized():
         pytest.skip("needs torch.distributed and no process group of its own")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -18,6 +17,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "examples" / "unchanged_job"
@@ -154,7 +154,7 @@ def test_report_dir_and_report_command(venv_python: Path, tmp_path: Path) -> Non
 def test_torchrun_two_ranks_write_per_rank_files(venv_python: Path, tmp_path: Path) -> None:
     reports = tmp_path / "reports"
     result = run(venv_python, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                 "--master-port", str(_free_port()), "train_dist.py",
+                 "--master-port", str(free_port()), "train_dist.py",
                  env={"KVGUARD": "warn", "KVGUARD_TARGETS": TARGET, "KVGUARD_REPORT_DIR": str(reports),
                       "OMP_NUM_THREADS": "1"})
     runs = set()
@@ -172,12 +172,6 @@ def test_torchrun_two_ranks_write_per_rank_files(venv_python: Path, tmp_path: Pa
     assert table.stdout.startswith(f"kvguard: run {runs.pop()} (2 ranks): 2 guarded calls, 12 tensors protected, "
                                    f"4 writes at 1 site\n  {TARGET}: 2 guarded calls, 12 tensors protected, 4 writes\n")
     assert "0-1" in table.stdout  # the ranks column
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_run_command_works_from_a_source_checkout(tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 import kvguard
+from processes import free_port
 
 HERE = Path(__file__).parent
 
@@ -166,12 +166,6 @@ def test_the_step_wrapper_is_undone_and_a_later_scheduler_keeps_working() -> Non
     sched.step()  # no "step() before optimizer.step()" warning: the wrappers pass through
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow  # two gloo processes each: CI runs them (-m slow)
 @pytest.mark.any_engine
 @pytest.mark.parametrize("script, expected", [
@@ -182,7 +176,7 @@ def _free_port() -> int:
 def test_two_process_gloo_jobs(script: str, expected: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD") or k == "KVGUARD_CACHE_DIR"}
     env["PYTHONWARNINGS"] = "ignore"
-    result = subprocess.run([sys.executable, str(HERE / "integrations" / script), str(_free_port())], env=env,
+    result = subprocess.run([sys.executable, str(HERE / "integrations" / script), str(free_port())], env=env,
                             capture_output=True, text=True, timeout=300)
     assert expected in result.stdout, result.stdout + result.stderr[-3000:]
     if script == "weights_ddp_broadcast.py":

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from processes import free_port, run_python
 
 TRAIN = textwrap.dedent("""
     import torch
@@ -40,9 +40,7 @@ TRAIN = textwrap.dedent("""
 def _run(tmp_path: Path, bug_step: int, targets: str = "weights") -> subprocess.CompletedProcess[str]:
     script = tmp_path / "train.py"
     script.write_text(TRAIN.replace("BUG_STEP", str(bug_step)))
-    env = {**os.environ, "KVGUARD": "raise", "KVGUARD_TARGETS": targets}
-    return subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    return run_python(script, cwd=tmp_path, KVGUARD="raise", KVGUARD_TARGETS=targets)
 
 
 def test_a_stray_write_between_steps_is_stopped_on_the_env_var_alone(tmp_path: Path) -> None:
@@ -74,8 +72,7 @@ SHAPES = Path(__file__).parent / "integrations" / "weights_inference_side.py"
 
 
 def _shape(shape: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "KVGUARD": "raise", "KVGUARD_TARGETS": "weights", "KVGUARD_ALLOW": "__main__:sync_weights"}
-    return subprocess.run([sys.executable, str(SHAPES), shape], env=env, capture_output=True, text=True, timeout=120)
+    return run_python(SHAPES, shape, KVGUARD="raise", KVGUARD_TARGETS="weights", KVGUARD_ALLOW="__main__:sync_weights")
 
 
 def test_verl_6688_lora_views_of_a_reused_ipc_buffer_no_optimizer() -> None:
@@ -109,28 +106,20 @@ def test_a_named_weight_sync_is_intended_and_a_write_between_syncs_is_not() -> N
 
 @pytest.mark.slow  # two gloo processes: CI runs it (-m slow)
 def test_verl_7139_weights_left_as_views_of_a_receive_buffer_on_two_gloo_processes() -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "KVGUARD": "warn", "KVGUARD_TARGETS": "weights", "PYTHONWARNINGS": "ignore",
-           "COLUMNS": "200"}
-    result = subprocess.run([sys.executable, str(SHAPES.parent / "weights_nccl_receive.py"), str(port)], env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = run_python(SHAPES.parent / "weights_nccl_receive.py", free_port(), timeout=300, KVGUARD="warn",
+                        KVGUARD_TARGETS="weights", PYTHONWARNINGS="ignore", COLUMNS="200")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rollout_model.weight was modified in place by c10d.broadcast_.default" in result.stderr
     assert "kvguard: weights: 2 parameters and buffers watched (no optimizer step), 2 writes at 1 site" in result.stderr
 
 
 def test_a_process_that_made_no_optimizer_says_so(tmp_path: Path) -> None:
-    env = {**os.environ, "KVGUARD": "raise", "KVGUARD_TARGETS": "weights,autograd"}
-    result = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True, text=True,
-                            timeout=120)
+    settings = {"KVGUARD": "raise", "KVGUARD_TARGETS": "weights,autograd"}
+    result = run_python("-c", "import torch", **settings)
     assert result.stderr.strip().splitlines() == [
         "kvguard: autograd: 0 saved tensors protected in 0 forward passes, no in-place writes",
         "kvguard: weights: no optimizer was made and no module loaded a state dict here, so no weight was watched"]
-    quiet = subprocess.run([sys.executable, "-c", "pass"], env=env, capture_output=True, text=True, timeout=120)
+    quiet = run_python("-c", "pass", **settings)
     assert quiet.stderr == ""  # no torch here (a launcher's helper): nothing to say
 
 
@@ -151,8 +140,7 @@ def test_an_optimizers_weights_are_let_go_when_it_is_freed_and_a_loaded_copy_is_
         with torch.no_grad():
             eval_model.weight.mul_(2)   # a loaded copy: watched
     """))
-    env = {**os.environ, "KVGUARD": "record", "KVGUARD_TARGETS": "weights", "KVGUARD_REPORT_DIR": str(tmp_path / "r")}
-    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    result = run_python(script, KVGUARD="record", KVGUARD_TARGETS="weights", KVGUARD_REPORT_DIR=str(tmp_path / "r"))
     assert "kvguard: weights: 4 parameters and buffers watched over 1 optimizer step, 1 write at 1 site" \
         in result.stderr, result.stderr
     assert "after.py:14 aten.mul_.Tensor: 1 write to eval_model.weight" in result.stderr
@@ -163,9 +151,7 @@ def test_the_docs_example_stops_at_the_stray_write() -> None:
     root = Path(__file__).parent.parent
     page = (root / "docs" / "weights.md").read_text()
     shown = page.split("```text\n", 1)[1].split("```", 1)[0].strip("\n").splitlines()
-    env = {**os.environ, "KVGUARD": "raise", "KVGUARD_TARGETS": "weights"}
-    result = subprocess.run([sys.executable, "examples/stray_weight_write.py"], cwd=root, env=env,
-                            capture_output=True, text=True, timeout=120)
+    result = run_python("examples/stray_weight_write.py", cwd=root, KVGUARD="raise", KVGUARD_TARGETS="weights")
     assert result.returncode == 1 and "trained" not in result.stdout
     printed = [line.replace(str(root) + os.sep, "") for line in result.stderr.splitlines()]
     for line in shown:
@@ -174,14 +160,8 @@ def test_the_docs_example_stops_at_the_stray_write() -> None:
 
 @pytest.mark.slow  # two gloo processes: CI runs it (-m slow)
 def test_a_two_process_ddp_job_with_broadcast_buffers_is_clean_on_the_env_var_alone() -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "KVGUARD": "raise", "KVGUARD_TARGETS": "weights", "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run([sys.executable, str(SHAPES.parent / "weights_ddp_broadcast.py"), str(port), "env"],
-                            env=env, capture_output=True, text=True, timeout=300)
+    result = run_python(SHAPES.parent / "weights_ddp_broadcast.py", free_port(), "env", timeout=300, KVGUARD="raise",
+                        KVGUARD_TARGETS="weights", PYTHONWARNINGS="ignore")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("steps done") == 2
     lines = [line for line in result.stderr.splitlines() if "weights:" in line and "watched over" in line]
@@ -206,17 +186,15 @@ def test_converting_the_model_at_the_end_of_training_is_not_a_finding(tmp_path: 
         opt.step()
         model.half()   # saved in half precision, as many jobs do at the end
     """))
-    env = {**os.environ, "KVGUARD": "raise", "KVGUARD_TARGETS": "weights"}
-    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    result = run_python(script, KVGUARD="raise", KVGUARD_TARGETS="weights")
     assert result.returncode == 0
     assert result.stderr.strip() == ("kvguard: weights: 2 parameters and buffers watched over 1 optimizer step, "
                                      "no in-place writes")
 
 
 def test_a_realistic_fine_tuning_loop_is_clean_under_autograd_and_weights() -> None:
-    env = {**os.environ, "KVGUARD": "raise", "KVGUARD_TARGETS": "autograd,weights"}
-    result = subprocess.run([sys.executable, str(SHAPES.parent / "realistic_finetune.py")], env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = run_python(SHAPES.parent / "realistic_finetune.py", timeout=300, KVGUARD="raise",
+                        KVGUARD_TARGETS="autograd,weights")
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert lines == ["kvguard: autograd: 544 saved tensors protected in 8 forward passes, no in-place writes",
