@@ -76,7 +76,8 @@ class ModuleGuard(Guard):
         return super().__exit__(exc_type, exc, tb)
 
     def stepping(self, optimizer: Any) -> Any:
-        """What the wrapped `step` of `optimizer` calls around the step: (begin, end)."""
+        """Called by the wrapped `step` of `optimizer` before it runs: its parameters step aside; returns
+        the token `stepped` takes after it (None: the guard is gone)."""
         protected = self._protected
         if protected is None:
             return None

@@ -152,10 +152,10 @@ class SavedSet(ProtectedSet):
     # -- entries ---------------------------------------------------------------------
 
     def look(self) -> None:
-        if self._dirty:
-            self._forget_dead()
         if self._pending:
-            self._flush()
+            self._flush()  # which forgets the dead first
+        elif self._dirty:
+            self._forget_dead()
 
     def _flush(self) -> None:
         if self._dirty:  # forget the dead first: entries of freed graphs never pile up
