@@ -16,7 +16,9 @@ Workloads (none of them writes protected memory; each protects what a user would
   slime write it: the realistic cost, 2048 iterations); GRPO (group-normalised
   sequence rewards broadcast to tokens); REINFORCE++ with gamma = 1, the reverse
   cumulative sum vectorised per sample (``flip``/``cumsum``/``flip``). ``adv_wide``
-  is PPO with GAE over 512 samples (3,073 protected tensors).
+  is PPO with GAE over 512 samples (3,073 protected tensors). ``adv_grpo_deep`` is
+  ``adv_grpo``'s call made 20 trainer-like frames down (60 stores each), then one write
+  to a temporary: a placement must cost the same whatever the caller's stack.
 * ``train_*``: a small pre-norm transformer LM, one training step (forward,
   cross-entropy, backward, ``clip_grad_norm_``, AdamW ``foreach=True`` or
   ``fused=True``, ``zero_grad``), with a metrics dict of logged rollout statistics
@@ -52,12 +54,14 @@ import contextlib
 import datetime
 import gc
 import json
+import linecache
 import os
 import platform
 import statistics
 import subprocess
 import sys
 import time
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Optional
@@ -271,6 +275,39 @@ def compute_advantages_and_returns(rollout_data: dict[str, Any], estimator: str,
     rollout_data["returns"] = returns
 
 
+DEEP_FRAMES = 20        # trainer-like frames above the call in adv_grpo_deep
+STORES_PER_FRAME = 60
+
+
+def deep_caller(frames: int = DEEP_FRAMES, stores: int = STORES_PER_FRAME) -> Callable[[dict[str, Any], int], None]:
+    """frame_0(rollout_data, per_prompt): the GRPO call of `adv_grpo`, `frames` frames down.
+
+    Each frame stores `stores` values into its own dict and object (two in three
+    ``state["xJ"] = J``, one in three ``step.aJ = J``), as a training loop, a Ray actor or
+    a schedule does above advantage code, then calls the next. GRPO itself writes
+    nothing, so the innermost frame then writes a temporary, as the trainer's next op
+    would: the guard looks there, with every frame still on the stack (without it, it
+    would first look at exit, the frames gone). The generated source is registered with
+    `linecache`: kvguard reads a frame's stores from its source, and exec'd code with
+    none would show it no stores at all.
+    """
+    lines: list[str] = []
+    for i in range(frames):
+        lines += [f"def frame_{i}(rollout_data, per_prompt):", "    state = {}", "    step = Step()"]
+        lines += [f"    step.a{j} = {j}" if j % 3 == 2 else f"    state['x{j}'] = {j}" for j in range(stores)]
+        if i + 1 < frames:
+            lines.append(f"    frame_{i + 1}(rollout_data, per_prompt)")
+        else:
+            lines += ["    compute_advantages_and_returns(rollout_data, 'grpo', per_prompt)",
+                      "    torch.zeros(1).add_(1.0)  # the trainer's next write: the guard looks here"]
+    source = "\n".join(lines) + "\n"
+    filename = f"<bench_suite: {frames} trainer frames, {stores} stores each>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace: dict[str, Any] = {**globals(), "Step": types.SimpleNamespace}  # a module's worth of globals
+    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - the benchmark's own frames
+    return namespace["frame_0"]  # type: ignore[no-any-return]
+
+
 class TinyLM(nn.Module):
     """A small pre-norm transformer language model."""
 
@@ -403,6 +440,12 @@ def workloads(size: str) -> tuple[list[Workload], list[str]]:
             build=lambda: {"rollout_data": make_rollout(samples, seq), "protected": None},
             run=lambda st, est=est: compute_advantages_and_returns(st["rollout_data"], est, per_prompt),
             reset=_unplace, tensors=n_rollout))
+        if est == "grpo":  # against the row above: the caller's stack must not change a placement's cost
+            loads.append(Workload(
+                "adv_grpo_deep", "ratio", f"GRPO, {samples} × {seq}, {DEEP_FRAMES} frames deep",
+                build=lambda: {"rollout_data": make_rollout(samples, seq), "protected": None, "call": deep_caller()},
+                run=lambda st: st["call"](st["rollout_data"], per_prompt),
+                reset=_unplace, tensors=n_rollout))
     wide = cfg["wide_samples"]
     loads.append(Workload(
         "adv_wide", "ratio", f"PPO + GAE, wide batch, {wide} × {seq}",

@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "bench_suite.py"
 
-RATIO_ROWS = ["adv_ppo_gae", "adv_grpo", "adv_reinforce_pp", "adv_wide", "train_adamw_foreach",
+RATIO_ROWS = ["adv_ppo_gae", "adv_grpo", "adv_grpo_deep", "adv_reinforce_pp", "adv_wide", "train_adamw_foreach",
               "train_adamw_fused", "micro_reads", "micro_inplace_20", "micro_inplace_100"]
 ENTRY_EXIT_ROWS = ["entry_exit_1MB", "entry_exit_100MB", "entry_exit_49t", "entry_exit_1500t"]
 CONTENDERS = ["unguarded", "kvguard installed, no guard", "empty mode", "kvguard compiled", "kvguard kernels",
@@ -127,9 +127,9 @@ def test_the_scaling_benchmark_runs_and_prints_a_row_per_size() -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [line.split(" | ") for line in proc.stdout.splitlines() if line[:1].isdigit()]
     assert [r[0] for r in rows] == ["49", "600"]
-    for _, per_write, per_placement, first_write in rows:
-        float(per_write.replace(",", "")), float(per_placement.replace(",", ""))
-        assert float(first_write.replace(",", "")) > 0
+    for _, per_write, per_placement, first_write, later_write, entry_exit, heap, resident in rows:
+        float(per_write.replace(",", "")), float(per_placement.replace(",", "")), float(resident.replace(",", ""))
+        assert all(float(cell.replace(",", "")) > 0 for cell in (first_write, later_write, entry_exit, heap))
 
 
 def test_the_depth_benchmark_runs_and_prints_its_row() -> None:

@@ -24,7 +24,6 @@ from kvguard._engine.backend import Backend
 from kvguard._engine.judge import After, WriteJudge, judge_all
 from kvguard._engine.mode import thread_judges
 from kvguard._protect import frames as _frames
-from kvguard._protect import records as _records
 from kvguard._protect.collector import collector_paused
 from kvguard._torch import outside_dynamo
 
@@ -110,9 +109,7 @@ class HookEngine:
         thread = self._threads.get(id(judge))
         if id(judge) in self._inference or thread != threading.get_ident():
             return
-        holds = judge.protected.holds_inference() if added is None else (
-            _records.holds_inference(e.record for e in added))
-        if holds and self.backend.watch_inference(True):
+        if judge.protected.holds_inference(added) and self.backend.watch_inference(True):
             self._inference[id(judge)] = thread
 
     def _unwatch_inference(self, judge: WriteJudge) -> None:
@@ -130,16 +127,12 @@ class HookEngine:
             self._watch_inference(judge, added)
         with self._lock, collector_paused():  # lists as long as the protected set: no collection midway
             judges, backend = self.judges, self.backend
-            if added is None:  # all of it, in one publication (the backend sorts and merges)
-                backend.add_protected([s for j in judges for s in j.protected.intervals()],
-                                      [i for j in judges for i in j.protected.identities()], True)
-                backend.set_send_all(any(j.protected.by_identity for j in judges))
-            elif added:
-                records = [e.record for e in added]
-                backend.add_protected(_records.intervals(records),
-                                      [i for r in records if (i := r[_records.IMPL]) is not None])
-                if not all(map(_records.has_memory, records)):
-                    backend.set_send_all(True)
+            if added is None:  # all of it: the first set replaces what was published, the others add
+                backend.add_protected([], [], True)
+                send_all = [other.protected.publish(backend, None, False) for other in judges]
+                backend.set_send_all(any(send_all))
+            elif added and judge is not None and judge.protected.publish(backend, added, False):
+                backend.set_send_all(True)
             watching = [j.protected for j in judges if j.protected.watching]
             snapshots = [p.snapshot_pair() for p in watching]
             backend.set_watch(self._look if watching else None,

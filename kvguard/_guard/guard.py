@@ -127,10 +127,23 @@ class Guard:
         return self
 
     def _new_protected(self) -> Any:
-        """The protected set this guard judges writes against (`guard_autograd` has its own)."""
+        """The protected set this guard judges writes against (`guard_autograd` has its own).
+
+        Its tensors are kept in C++ (`NativeSet`) where the compiled extension serves this
+        guard: with the compiled engine, or at the light level where it is loaded. The
+        `kernels` and `mode` engines keep them in Python (`ProtectedSet`).
+        """
+        from kvguard._protect.native import NativeSet, table_module
         from kvguard._protect.protected import ProtectedSet
 
-        return ProtectedSet(self.obj, self.name, self.keys, self.ignore, fingerprint=self.fingerprint)
+        if self.level == "full":
+            from kvguard._engine import choice as _choice
+
+            native = _choice.choose() == "compiled" and table_module() is not None  # choose() loads it
+        else:
+            native = table_module() is not None
+        kind = NativeSet if native else ProtectedSet
+        return kind(self.obj, self.name, self.keys, self.ignore, fingerprint=self.fingerprint)
 
     def _allow_boundary(self) -> None:
         """A `kvguard.allow` block begins or ends on this guard's thread: a boundary check then.

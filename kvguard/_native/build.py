@@ -37,7 +37,7 @@ from kvguard._config import read
 
 MODULE_NAME = "kvguard._native.write_hook"
 SOURCE = Path(__file__).parent / "csrc" / "write_hook.cpp"  # the translation unit
-HEADERS = tuple(SOURCE.with_name(name) for name in ("describe.h", "python_api.h"))  # it includes
+HEADERS = tuple(SOURCE.with_name(name) for name in ("describe.h", "python_api.h", "table.h"))  # it includes
 # Bump when the compile command below changes, so caches built the old way are not reused.
 _RECIPE = "1"
 _COMPILE_TIMEOUT_S = 900.0

@@ -306,19 +306,33 @@ class Placements:
     def __init__(self, frames: list[types.FrameType]) -> None:
         self._frames = frames[:_MAX_FRAMES]
         self._read: list[Optional[tuple[types.FrameType, dict[str, Any], _StoresByObject]]] = [None] * len(self._frames)
+        # id of a tensor's container -> the answer for every tensor in it, where the answer
+        # cannot depend on which tensor it is: a list of 448 placed tensors is searched once.
+        self._by_container: dict[int, str] = {}
 
     def placed_at(self, chain: tuple[tuple[Any, Any], ...], placed: Any) -> str:
         """`file.py:LINE` of the statement that placed it; else of the innermost frame, "(first seen)"."""
-        site = self.site(chain, placed)
-        if site is not None:
-            return site.short
-        return f"{site_of(self._frames[0] if self._frames else None).short} (first seen)"
+        container = id(chain[-1][0]) if chain else None
+        known = self._by_container.get(container) if container is not None else None
+        if known is not None:
+            return known
+        depends: list[bool] = []  # set when a store's score depended on the tensor or its own key
+        site = self.site(chain, placed, depends)
+        text = site.short if site is not None else (
+            f"{site_of(self._frames[0] if self._frames else None).short} (first seen)")
+        if container is not None and not depends:
+            self._by_container[container] = text
+        return text
 
-    def site(self, chain: tuple[tuple[Any, Any], ...], placed: Any = _ANY) -> Optional[Site]:
-        """The statement that put `placed` where `chain` says it is, if the source shows it."""
+    def site(self, chain: tuple[tuple[Any, Any], ...], placed: Any = _ANY,
+             depends: Optional[list[bool]] = None) -> Optional[Site]:
+        """The statement that put `placed` where `chain` says it is, if the source shows it.
+
+        `depends`, if given, receives True when the answer could differ for another tensor
+        in the same container (a store naming a tensor, or one into its own index)."""
         for i in range(len(self._frames)):
             frame, namespace, by_object = self._frame(i)
-            found = _placement_in_frame(frame, namespace, by_object, chain, placed) if by_object else None
+            found = _placement_in_frame(frame, namespace, by_object, chain, placed, depends) if by_object else None
             if found is not None:
                 return found
         return None
@@ -339,13 +353,19 @@ class Placements:
 
 
 def _placement_in_frame(frame: types.FrameType, namespace: dict[str, Any], by_object: _StoresByObject,
-                        chain: tuple[tuple[Any, Any], ...], placed: Any) -> Optional[Site]:
+                        chain: tuple[tuple[Any, Any], ...], placed: Any,
+                        depends: Optional[list[bool]] = None) -> Optional[Site]:
     # The stores into a container of the chain, in the frame's store order, then the chain's.
     candidates = sorted((n, depth, store) for depth, (container, _) in enumerate(chain)
                         for n, store, obj in by_object.get(id(container), ()) if obj is container)
     best: Optional[tuple[tuple[int, int, int, int], int]] = None
+    last = len(chain) - 1
     for _, depth, (lineno, _name, key, values) in candidates:
         chain_key = chain[depth][1]
+        if depends is not None and not depends and (
+                depth == last and key is not _ANY
+                or any(_may_be_placed(namespace.get(v, _ANY), chain) for v in values)):
+            depends.append(True)
         key_score = 2 if key is not _ANY and _same_key(key, chain_key) else (1 if key is _ANY else 0)
         if key_score == 0:
             continue
@@ -359,6 +379,12 @@ def _placement_in_frame(frame: types.FrameType, namespace: dict[str, Any], by_ob
     filename = frame.f_code.co_filename
     line = linecache.getline(filename, best[1], frame.f_globals).strip()
     return Site(filename, best[1], frame.f_code.co_name, line)
+
+
+def _may_be_placed(value: Any, chain: tuple[tuple[Any, Any], ...]) -> bool:
+    """Whether a stored value could be one placed tensor and not another: neither nothing
+    nor a container of the chain (those are the same for every tensor of a container)."""
+    return value is not _ANY and not any(value is container for container, _ in chain)
 
 
 def _is_on_the_way(value: Any, chain: tuple[tuple[Any, Any], ...], depth: int, placed: Any) -> bool:

@@ -76,7 +76,7 @@ class MemoryIndex:
         if self.by_identity:
             return True
         for tensor in written:
-            storage = _storage_range(tensor)
+            storage = storage_range(tensor)
             if storage is None:
                 return True
             lo, hi = storage
@@ -98,13 +98,13 @@ class MemoryIndex:
             groups = self._groups.get(span.device)
             for members in groups.meeting(span.start, span.stop) if groups is not None else ():
                 for entry in members:
-                    if entry not in found and _overlaps(span, written, entry):
+                    if entry not in found and overlaps(span, written, entry):
                         found.append(entry)
         return found
 
     def in_storage_of(self, tensor: torch.Tensor) -> list[Entry]:
         """The entries whose memory lies in `tensor`'s storage (strided tensors; none for others)."""
-        storage = _storage_range(tensor)
+        storage = storage_range(tensor)
         if storage is None:
             return []
         lo, hi = storage
@@ -118,7 +118,7 @@ class MemoryIndex:
         self._groups, self.by_identity, self.stale = {}, {}, False
 
 
-def _storage_range(tensor: torch.Tensor) -> Optional[tuple[int, int]]:
+def storage_range(tensor: torch.Tensor) -> Optional[tuple[int, int]]:
     """`[lo, hi)`, the bytes of `tensor`'s whole storage (lo 0: none allocated); None for sparse
     and other storage-less tensors."""
     try:
@@ -129,7 +129,7 @@ def _storage_range(tensor: torch.Tensor) -> Optional[tuple[int, int]]:
         return None
 
 
-def _overlaps(span: _torch.Span, written: torch.Tensor, entry: Entry) -> bool:
+def overlaps(span: _torch.Span, written: torch.Tensor, entry: Entry) -> bool:
     if not any(s.start < span.stop and span.start < s.stop for s in entry.spans):
         return False
     tensor = entry.ref()

@@ -163,9 +163,20 @@ class ProtectedSet:
         order and overlapping where the tensors do: the hook sorts and merges them."""
         return _records.intervals(e.record for e in self._entries.values())
 
-    def holds_inference(self) -> bool:
-        """Whether an inference tensor is protected (its writes inside inference mode need their own hook)."""
-        return _records.holds_inference(e.record for e in self._entries.values())
+    def holds_inference(self, added: Optional[list[Entry]] = None) -> bool:
+        """Whether an inference tensor is protected (its writes inside inference mode need their
+        own hook): among all entries, or among those just `added`."""
+        entries = self._entries.values() if added is None else added
+        return _records.holds_inference(e.record for e in entries)
+
+    def publish(self, backend: Any, added: Optional[list[Entry]], replace: bool) -> bool:
+        """Tell a write-hook backend the protected memory: all of it, or what `added` brought
+        (merged into what it has unless `replace`). Returns whether some of it has no
+        readable memory, so that every write must be looked at."""
+        records = [e.record for e in (self._entries.values() if added is None else added)]
+        backend.add_protected(_records.intervals(records),
+                              [i for r in records if (i := r[IMPL]) is not None], replace)
+        return not all(map(_records.has_memory, records))
 
     def identities(self) -> list[int]:
         """The TensorImpl addresses of the protected tensors: a write to one of them is looked at

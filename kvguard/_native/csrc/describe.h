@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/SmallVector.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -55,12 +56,11 @@ struct Described {
   enum { kNone, kHost, kDevice } digest_kind = kNone;
   const unsigned char* data = nullptr;
   Py_ssize_t itemsize = 0;
-  std::vector<Py_ssize_t> sizes, strides;
+  c10::SmallVector<Py_ssize_t, 8> sizes, strides;  // inline: no allocation per tensor
   uint64_t digest = 0;
 };
 
-void describe_one(PyObject* obj, Described& d, bool want_digest, int max_dims) {
-  const at::Tensor& t = THPVariable_Unpack(obj);
+void describe_tensor(const at::Tensor& t, Described& d, bool want_digest, int max_dims) {
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   if (impl->layout() != c10::kStrided || impl->is_nested() || t.is_quantized() ||
       !impl->has_storage() || impl->device_type() == c10::DeviceType::Meta ||
@@ -132,6 +132,10 @@ void describe_one(PyObject* obj, Described& d, bool want_digest, int max_dims) {
   d.itemsize = (Py_ssize_t)itemsize;
   d.sizes.assign(sizes.begin(), sizes.end());
   d.strides.assign(strides.begin(), strides.end());
+}
+
+void describe_one(PyObject* obj, Described& d, bool want_digest, int max_dims) {
+  describe_tensor(THPVariable_Unpack(obj), d, want_digest, max_dims);
 }
 
 // describe(tensors, plain_types, digest) -> list, one item per tensor: None when Python

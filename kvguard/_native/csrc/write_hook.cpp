@@ -19,7 +19,9 @@
 //   set_enabled(bool), enabled() -> bool, set_send_all(bool), writes() -> int
 //   set_intervals(list[tuple[int, int]]), set_identities(list[int])
 //   add_protected(list[tuple[int, int]], list[int], replace=False): more of both (in any
-//     order, with any overlap), or instead of them
+//     order, with any overlap), or instead of them; add_protected(table, first_row, replace)
+//     reads both from a Table's live rows from first_row on
+//   Table(plain_types, digest): a protected set's tensors as rows (table.h)
 //   set_watch(callable | None, snapshots=None): called with no arguments before each judged
 //     write; with `snapshots`, a list of (containers, held) tuple pairs, only when one of
 //     them changed (kvguard._native.speedups's identity check, run here without Python code)
@@ -77,6 +79,7 @@
 
 #include "describe.h"    // py_describe: what the protected set records of a batch of tensors
 #include "python_api.h"  // borrowed_api, KVGUARD_TRY / KVGUARD_CATCH
+#include "table.h"       // Table: a protected set's tensors as rows in C++
 
 namespace {
 
@@ -972,9 +975,15 @@ PyObject* py_add_protected(PyObject*, PyObject* args) {
     return nullptr;
   }
   Intervals added;
-  if (!read_pairs(intervals_arg, &added, "add_protected", /*sorted=*/false)) return nullptr;
   std::vector<uintptr_t> more;
-  if (!read_addresses(identities_arg, &more, "add_protected")) return nullptr;
+  if (is_table(intervals_arg)) {  // a Table's live rows from row `identities_arg` on: no Python lists
+    const Py_ssize_t first = PyLong_AsSsize_t(identities_arg);
+    if (first == -1 && PyErr_Occurred()) return nullptr;
+    table_publication(intervals_arg, (size_t)std::max<Py_ssize_t>(first, 0), &added, &more);
+  } else {
+    if (!read_pairs(intervals_arg, &added, "add_protected", /*sorted=*/false)) return nullptr;
+    if (!read_addresses(identities_arg, &more, "add_protected")) return nullptr;
+  }
   std::sort(added.begin(), added.end());
   std::sort(more.begin(), more.end());
   auto next = std::make_shared<Protected>();
@@ -1141,5 +1150,13 @@ PyModuleDef module_def = {
 }  // namespace
 
 PyMODINIT_FUNC PyInit_write_hook(void) {
-  return PyModule_Create(&module_def);
+  PyTypeObject* table = table_type();
+  if (PyType_Ready(table) < 0) return nullptr;
+  PyObject* module = PyModule_Create(&module_def);
+  if (module == nullptr) return nullptr;
+  if (PyModule_AddObjectRef(module, "Table", (PyObject*)table) < 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
 }

@@ -1,0 +1,521 @@
+"""The protected set with its tensors kept in C++ (`write_hook.Table`): cost in proportion to what changed.
+
+`ProtectedSet` keeps a Python `Entry`, a weak reference and a record tuple per tensor,
+about 5 µs and 680 bytes each, and builds its lookup index at the first write. Here each
+tensor is a row of the compiled extension's table (weak reference to its TensorImpl, byte
+span, layout hash, digest, flags), batches are described and compared in one C++ pass,
+the memory index grows with the rows, and the write hook reads the protected memory
+straight from the table. Python keeps only what reports need, by row: the path, and
+where the tensor was placed. An `Entry` is made for a row only when a write hits it or a
+report names it.
+
+Rows the table cannot describe (subclasses, sparse, nested, meta tensors) keep their
+record in Python and their own small `MemoryIndex`, as in `ProtectedSet`; so do digests
+taken on another device.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+from typing import Any, Callable, Collection, Optional, Sequence
+
+import torch
+
+from kvguard import _torch
+from kvguard._protect import digest as _digest
+from kvguard._protect import frames as _frames
+from kvguard._protect import records as _records
+from kvguard._protect import tree as _tree
+from kvguard._protect.collector import collector_paused
+from kvguard._protect.entries import Change, Entry
+from kvguard._protect.index import MemoryIndex, overlaps, storage_range
+from kvguard._protect.protected import ProtectedSet
+from kvguard._protect.records import DIGEST
+from kvguard._protect.watch import Watcher
+
+# The table's row flags (kvguard/_native/csrc/table.h).
+DENSE, INFERENCE, HOST_DIGEST, EXPLAINED, PYTHON, PY_DIGEST, GONE = 1, 2, 4, 8, 16, 32, 64
+_SWEEP_EVERY = 1024  # rows added since the last sweep, beyond the live ones then, before the next
+
+
+def table_module() -> Optional[ModuleType]:
+    """The compiled extension when it is loaded and has the table (never builds it)."""
+    module = _records.compiled_describe()
+    return module if module is not None and hasattr(module, "Table") else None
+
+
+class RowEntry(Entry):
+    """A row of the table, as the judges and reports use an `Entry`; made when one needs it."""
+
+    __slots__ = ("_owner", "row")
+
+    def __init__(self, owner: NativeSet, row: int) -> None:  # noqa: D107 - no Entry.__init__: the table holds it
+        self._owner = owner
+        self.row = row
+        self.path = owner._paths[row] or ""  # a live row always has its path
+        self.placed_at = owner._placed[row]
+        self.aliases = ()
+        self.detached = False
+
+    def ref(self) -> Optional[torch.Tensor]:
+        tensor: Optional[torch.Tensor] = self._owner._table.tensor(self.row)
+        return tensor
+
+    @property
+    def record(self) -> _records.Record:
+        owner = self._owner
+        record = owner._py_records.get(self.row)
+        return record if record is not None else owner._table.record(self.row)
+
+    @record.setter
+    def record(self, value: _records.Record) -> None:
+        raise AttributeError("a row's record is read from its tensor by the table (NativeSet._follow)")
+
+    @property
+    def digest(self) -> _digest.Digest:
+        owner = self._owner
+        if self.row in owner._py_digests:
+            return owner._py_digests[self.row]
+        return owner._table.record(self.row)[DIGEST]
+
+    @digest.setter
+    def digest(self, value: _digest.Digest) -> None:
+        owner = self._owner
+        if type(value) is int and self.row not in owner._py_records:
+            owner._py_digests.pop(self.row, None)
+            owner._table.set_digest(self.row, value)
+        else:
+            owner._table.set_digest(self.row, None)
+            owner._py_digests[self.row] = value
+
+    @property
+    def explained(self) -> bool:
+        return bool(self._owner._table.flags(self.row) & EXPLAINED)
+
+    @explained.setter
+    def explained(self, value: bool) -> None:
+        self._owner._table.set_flag(self.row, EXPLAINED, bool(value))
+
+
+class _Added:
+    """What one look protected: rows from `first` on (and the Python-kept ones among them)."""
+
+    __slots__ = ("first", "python")
+
+    def __init__(self, first: int, python: list[RowEntry]) -> None:
+        self.first, self.python = first, python
+
+    def __bool__(self) -> bool:
+        return True
+
+
+class NativeSet(ProtectedSet):
+    """`ProtectedSet`'s contract, its tensors kept as rows of a C++ table."""
+
+    def __init__(self, root: Any, name: str, keys: Optional[Collection[Any]], ignore: Collection[Any],
+                 fingerprint: bool = True) -> None:  # noqa: D107 - ProtectedSet's, without its per-tensor state
+        module = table_module()
+        if module is None:
+            raise RuntimeError("the compiled extension is not loaded")
+        self._table = module.Table(_torch.PLAIN, fingerprint)
+        self._module = module
+        self._paths: list[Optional[str]] = []  # per row
+        self._placed: list[Optional[str]] = []  # per row: where it was placed (None: there at entry)
+        self._made: dict[int, RowEntry] = {}  # rows a hit or a report asked for
+        self._py_records: dict[int, _records.Record] = {}  # rows the table cannot describe
+        self._py_digests: dict[int, _digest.Digest] = {}  # digests Python took (another device)
+        self._py_memory = MemoryIndex()  # the memory of the Python-kept rows
+        self._identity_rows = False  # some row has no readable memory: writes are matched by identity
+        self._swept_at = 0  # rows when last swept
+        self._watcher = Watcher(root, name, keys, ignore)
+        self._dirty = False
+        self._walk: tuple[int, dict[int, list[str]]] = (0, {})  # the last full walk (`_scan_now`)
+        self._applied: set[int] = set()  # rows whose entry took its paths from that walk
+        self.on_index: Optional[Callable[[Any], None]] = None
+        self.protected_count = 0
+        self._fingerprint = fingerprint
+        self._compiled = module
+        self._scan(frames=None)
+
+    # -- rows --------------------------------------------------------------------------
+
+    def _entry(self, row: int) -> RowEntry:
+        entry = self._made.get(row)
+        if entry is None:
+            entry = self._made[row] = RowEntry(self, row)
+        return entry
+
+    def entry_of(self, tensor: torch.Tensor) -> Optional[Entry]:
+        row = self._table.row_of(tensor)
+        return self._entry(row) if row >= 0 else None
+
+    def tensor_of(self, entry: Entry) -> Optional[torch.Tensor]:
+        return entry.ref()
+
+    def _add(self, leaves: list[_tree.Leaf], frames: Optional[list[Any]]) -> Any:
+        """Protect newly reached tensors in one C++ call; returns what the hook must learn."""
+        first, again, python = self._table.add([leaf.tensor for leaf in leaves])
+        if again:
+            taken = {position for position, _ in again}
+            leaves = [leaf for i, leaf in enumerate(leaves) if i not in taken]
+        return self._took(first, leaves, python, frames)
+
+    def _took(self, first: int, leaves: list[_tree.Leaf], python: list[int], frames: Optional[list[Any]]) -> Any:
+        """Rows from `first` on were made for `leaves`: keep their paths and placements."""
+        if not leaves:
+            return None
+        self._paths += [leaf.path for leaf in leaves]
+        if frames is None:
+            self._placed += [None] * len(leaves)
+        else:
+            placements = _frames.Placements(frames)  # each frame read once, each container's answer once
+            self._placed += [placements.placed_at(leaf.chain, leaf.tensor) for leaf in leaves]
+        self.protected_count += len(leaves)
+        table = self._table
+        if not table.summary(first)[1]:
+            self._identity_rows = True
+        adopted = self._adopt_python(python) if python else []
+        if len(table) - self._swept_at > table.live() - len(leaves) + _SWEEP_EVERY:
+            self._sweep()
+        return _Added(first, adopted)
+
+    def _adopt_python(self, rows: list[int]) -> list[RowEntry]:
+        """Records and digests for the new rows the table left to Python (few, as a rule)."""
+        table = self._table
+        python: list[RowEntry] = []
+        pending: list[int] = []
+        for row in rows:
+            if table.flags(row) & PYTHON:
+                tensor = table.tensor(row)
+                if tensor is None:
+                    continue
+                record = _records.describe([tensor], self._fingerprint, None)[0]
+                self._py_records[row] = record
+                self._py_digests[row] = record[DIGEST]
+                python.append(self._entry(row))
+                if not _records.has_memory(record):
+                    self._identity_rows = True
+            else:
+                pending.append(row)
+        if pending:
+            for row, value in zip(pending, _digest.digests([table.tensor(row) for row in pending])):
+                self._py_digests[row] = value
+        if python:
+            self._py_memory.invalidate()
+        return python
+
+    def _sweep(self) -> None:
+        """Let go of the rows whose tensor died (their TensorImpl objects, their paths)."""
+        swept = self._table.sweep()
+        for row in swept:
+            self._forget_row(row)
+        if swept:
+            self._py_memory.invalidate()
+        self._swept_at = len(self._table)
+
+    def _forget_row(self, row: int) -> None:
+        self._paths[row] = self._placed[row] = None
+        self._made.pop(row, None)
+        self._py_records.pop(row, None)
+        self._py_digests.pop(row, None)
+
+    # -- placement ---------------------------------------------------------------------
+
+    def _place(self, frames: Optional[list[Any]]) -> None:
+        leaves = self._watcher.placed()
+        if leaves is None:
+            return self._scan_now(frames)
+        added = self._add(leaves, frames) if leaves else None
+        del leaves
+        if added is not None:
+            self._rebuild_index(added)
+        else:
+            self._rebuild_index(_Added(len(self._table), []))  # the watch changed: the hook compares anew
+
+    def _scan_now(self, frames: Optional[list[Any]]) -> None:
+        """A full walk: protect what it reaches for the first time, and note which rows it
+        reached and by which paths, for `settle` (no per-tensor work for a tensor reached once)."""
+        self._dirty = False
+        leaves = self._watcher.walk_all()
+        first, again, python = self._table.add([leaf.tensor for leaf in leaves])
+        walked: dict[int, list[str]] = {}  # row -> its paths in this walk, beyond a new row's own
+        if again:
+            for position, row in again:
+                walked.setdefault(row, []).append(leaves[position].path)
+            taken = {position for position, _ in again}
+            leaves = [leaf for i, leaf in enumerate(leaves) if i not in taken]
+        self._took(first, leaves, python, frames)
+        self._walk = (first, walked)
+        self._applied = set()
+        del leaves
+        self._rebuild_index()
+
+    def settle(self) -> None:
+        """`ProtectedSet.settle` for the entries made so far, from the last full walk (`_scan_now`)."""
+        watcher = self._watcher
+        if watcher.partial or watcher.keys_changed() and not watcher.changed():
+            self._scan(frames=list(_frames.user_frames(sys._getframe(1))))
+        first, walked = self._walk
+        for row, entry in self._made.items():
+            if row in self._applied:
+                continue
+            self._applied.add(row)
+            paths = walked.get(row)
+            if row >= first:  # reached first by the path it was protected under (or placed since)
+                entry.detached = False
+                entry.aliases = tuple(p for p in paths or () if p != entry.path)
+            elif paths is None:
+                entry.detached, entry.aliases = True, ()
+            else:
+                entry.detached = False
+                if entry.path not in paths:
+                    entry.path = self._paths[row] = paths[0]
+                entry.aliases = tuple(p for p in paths if p != entry.path)
+
+    def _forget_dead(self) -> None:
+        self._dirty = False
+
+    def _drop_dead(self) -> bool:
+        return False
+
+    # -- what the hook learns -----------------------------------------------------------
+
+    def publish(self, backend: Any, added: Any, replace: bool) -> bool:
+        """Tell a write-hook backend the protected memory: all of it, or what `added` brought;
+        whether some of it has no readable memory (see `ProtectedSet.publish`)."""
+        first = 0 if added is None else added.first
+        if isinstance(self._table, getattr(backend, "Table", ())):
+            backend.add_protected(self._table, first, replace)  # read in C++, no Python lists
+        else:
+            backend.add_protected(*self._table.publication(first), replace)
+        python = list(self._py_entries()) if added is None else added.python
+        if python:
+            records = [e.record for e in python]
+            backend.add_protected(_records.intervals(records),
+                                  [i for r in records if (i := r[_records.IMPL]) is not None])
+        return self._identity_rows
+
+    def _py_entries(self) -> list[RowEntry]:
+        return [self._entry(row) for row in self._py_records if self._table.tensor(row) is not None]
+
+    def intervals(self) -> list[tuple[int, int]]:
+        spans: list[tuple[int, int]] = self._table.publication(0)[0]
+        return spans + _records.intervals(e.record for e in self._py_entries())
+
+    def identities(self) -> list[int]:
+        found: list[int] = self._table.publication(0)[1]
+        return found + [i for e in self._py_entries() if (i := e.record[_records.IMPL]) is not None]
+
+    def holds_inference(self, added: Any = None) -> bool:
+        first = 0 if added is None else added.first
+        python = self._py_entries() if added is None else added.python
+        return bool(self._table.summary(first)[0]) or _records.holds_inference(e.record for e in python)
+
+    @property
+    def by_identity(self) -> bool:
+        return self._identity_rows
+
+    # -- lookup ------------------------------------------------------------------------
+
+    def written_entries(self, written: Sequence[torch.Tensor], kind: str, resizes: bool = False) -> list[Entry]:
+        self.look()
+        table = self._table
+        own: list[Entry] = [self._entry(row) for t in written if (row := table.row_of(t)) >= 0]
+        if own:
+            self._follow(own)
+        if kind == "write" and not self._may_touch(written):
+            return []
+        found: list[Entry] = []
+        for tensor in written:
+            found += [e for e in self.hits(tensor, kind, resizes) if e not in found]
+        if found and self._follow(found):  # memory it no longer owns: look again
+            return self.written_entries(written, kind, resizes)
+        return found
+
+    def _may_touch(self, written: Sequence[torch.Tensor]) -> bool:
+        if self._identity_rows:
+            return True
+        table = self._table
+        for tensor in written:
+            storage = storage_range(tensor)
+            if storage is None or storage[0] == 0:
+                return True
+            if table.meets(storage[0], storage[1], tensor.device):
+                return True
+        if self._py_records:
+            self._py_memory.ensure(self._py_entries())
+            return self._py_memory.may_touch(written)
+        return False
+
+    def hits(self, written: torch.Tensor, kind: str = "write", resizes: bool = False) -> list[Entry]:
+        if kind != "write":
+            entry = self.entry_of(written)
+            return [entry] if entry is not None else []
+        table = self._table
+        found: list[Entry] = []
+        if self._identity_rows:
+            row = table.row_of(written)
+            if row >= 0 and row not in self._py_records:
+                record = table.record(row)
+                if not _records.has_memory(record) and (written.numel() > 0 or resizes):
+                    found.append(self._entry(row))
+        for span in _torch.spans(written):
+            if not isinstance(span.device, torch.device):
+                continue
+            for row in table.meeting(span.start, span.stop, span.device):
+                entry = self._entry(row)
+                if entry not in found and overlaps(span, written, entry):
+                    found.append(entry)
+        if self._py_records:
+            self._py_memory.ensure(self._py_entries())
+            found += [e for e in self._py_memory.hits(written, resizes) if e not in found]
+        return found
+
+    def _follow(self, entries: list[Entry]) -> bool:
+        rows = [e.row for e in entries if isinstance(e, RowEntry)]
+        native = [r for r in rows if r not in self._py_records]
+        moved = bool(native) and bool(self._table.refresh(native, False)[1])
+        python = [e for e in entries if isinstance(e, RowEntry) and e.row in self._py_records]
+        live = [(e, t) for e in python if (t := e.ref()) is not None]
+        for (entry, _), record in zip(live, self._records_of([t for _, t in live], digest=False)):
+            if record[_records.LAYOUT] != entry.record[_records.LAYOUT]:
+                self._py_records[entry.row] = record
+                moved = True
+        if moved:
+            self._py_memory.invalidate()
+            self._rebuild_index()
+        return moved
+
+    def relayout(self, entry: Entry) -> None:
+        if isinstance(entry, RowEntry):
+            if entry.row in self._py_records:
+                tensor = entry.ref()
+                if tensor is not None:
+                    self._py_records[entry.row] = self._records_of([tensor], digest=False)[0]
+                    self._py_memory.invalidate()
+            else:
+                self._table.refresh([entry.row], False)
+            self._rebuild_index()
+
+    def release(self, tensors: tuple[torch.Tensor, ...]) -> Callable[[], None]:
+        """Drop the table's weak references to `tensors` for a moment (`torch.utils.swap_tensors`
+        refuses a TensorImpl with weak references); the undo gives them back, to whatever each
+        Python object holds then (a swap exchanges their insides)."""
+        held = [(e, t) for t in tensors if (e := self.entry_of(t)) is not None]
+        for entry, _ in held:  # torch also refuses weak references to the TensorImpl: ours go for the swap
+            if isinstance(entry, RowEntry):
+                self._table.let_go(entry.row)
+
+        def restore() -> None:
+            for entry, tensor in held:
+                if isinstance(entry, RowEntry):
+                    self._table.repoint(entry.row, tensor)
+                    if entry.row in self._py_records:
+                        self._py_records[entry.row] = self._records_of([tensor], digest=False)[0]
+            if held:
+                self._py_memory.invalidate()
+                self._rebuild_index()
+        return restore
+
+    def _rebuild_index(self, added: Optional[Any] = None) -> None:
+        if self.on_index is not None:
+            self.on_index(added)
+
+    # -- values ------------------------------------------------------------------------
+
+    def explain(self, entries: list[Entry], settled: bool = True) -> None:
+        self._follow(entries)
+        if settled and self._fingerprint:
+            rows = [e.row for e in entries if isinstance(e, RowEntry) and e.row not in self._py_records
+                    and e.row not in self._py_digests]
+            if rows:
+                marked = [r for r in rows if self._table.flags(r) & EXPLAINED]  # an earlier write landing later
+                self._table.refresh(rows, True)
+                for row in marked:
+                    self._table.set_flag(row, EXPLAINED, True)
+            rest = [e for e in entries if not isinstance(e, RowEntry) or e.row not in rows]
+            for entry, digest in zip(rest, _digest.digests([e.ref() for e in rest])):
+                entry.digest = digest
+        else:
+            for entry in entries:
+                entry.explained = True
+
+    def _changes_now(self) -> list[Change]:
+        table = self._table
+        changed, moved, python = table.refresh(None, self._fingerprint)
+        found: list[Change] = []
+        for row, was, now in changed:
+            tensor = table.tensor(row)
+            if tensor is not None:
+                found.append(Change(self._entry(row), tensor, "values", was, now))
+        for row, old in moved:
+            tensor = table.tensor(row)
+            if tensor is None or row in self._py_records:
+                continue
+            if table.flags(row) & PYTHON:  # no longer plain memory: Python keeps it from now on
+                self._py_records[row] = self._records_of([tensor], digest=False)[0]
+                self._py_memory.invalidate()
+                continue
+            if not self._fingerprint or old[DIGEST] is None and row not in self._py_digests:
+                found.append(Change(self._entry(row), tensor, "memory", _records.layout_text(old),
+                                    _records.tensor_text(tensor)))
+        found += self._python_changes([r for r in python if r in self._py_records or r in self._py_digests])
+        if moved:
+            self._rebuild_index()
+        return found
+
+    def _python_changes(self, rows: list[int]) -> list[Change]:
+        """`ProtectedSet`'s boundary comparison, for the rows whose record or digest Python keeps."""
+        live = [(self._entry(r), t) for r in rows if (t := self._table.tensor(r)) is not None]
+        if not live:
+            return []
+        records = self._records_of([t for _, t in live])
+        agrees = _digest.same_all([e.digest for e, _ in live], [r[DIGEST] for r in records])
+        found = []
+        for (entry, tensor), record, same in zip(live, records, agrees):
+            digest = record[DIGEST]
+            if not entry.explained and not same:
+                found.append(Change(entry, tensor, "values", entry.digest, digest))
+            row = entry.row
+            if row in self._py_records and record[_records.LAYOUT] != self._py_records[row][_records.LAYOUT]:
+                if same and (entry.digest is None or digest is None):
+                    found.append(Change(entry, tensor, "memory", _records.layout_text(self._py_records[row]),
+                                        _records.tensor_text(tensor)))
+                self._py_records[row] = record
+                self._py_memory.invalidate()
+            entry.digest, entry.explained = digest, False
+        return found
+
+    def boundary_changes(self, caller: Any, rescan: bool = True) -> list[Change]:
+        """`ProtectedSet.boundary_changes`; without `rescan` (the exit), a look at the containers
+        that changed walks only what was placed, not the whole object again."""
+        frames = list(_frames.user_frames(caller)) if caller is not None else None
+        if rescan:
+            self._scan(frames)
+        elif self._watcher.changed():
+            with collector_paused():
+                self._place(frames)
+        with collector_paused():
+            found = self._changes_now()
+        if found:
+            self.settle()
+        self._sweep()
+        return found
+
+    def drifted(self, entries: list[Entry]) -> list[Entry]:
+        if not self._fingerprint:
+            return []
+        return super().drifted(entries)
+
+    # -- exit ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._table.clear()
+        self._made.clear()
+        self._paths, self._placed = [], []
+        self._py_records.clear()
+        self._py_digests.clear()
+        self._py_memory.clear()
+        self._watcher.close()
+        self._walk = (0, {})
