@@ -324,6 +324,15 @@ class Placements:
             self._by_container[container] = text
         return text
 
+    def placed_at_run(self, chain: tuple[tuple[Any, Any], ...], lst: list[Any], tensors: list[Any]) -> list[str]:
+        """`placed_at` for each tensor of a list (at `chain`): one search for all where it can."""
+        if not tensors:
+            return []
+        first = self.placed_at(chain + ((lst, 0),), tensors[0])
+        if id(lst) in self._by_container:
+            return [first] * len(tensors)
+        return [first] + [self.placed_at(chain + ((lst, i),), t) for i, t in enumerate(tensors) if i]
+
     def site(self, chain: tuple[tuple[Any, Any], ...], placed: Any = _ANY,
              depends: Optional[list[bool]] = None) -> Optional[Site]:
         """The statement that put `placed` where `chain` says it is, if the source shows it.

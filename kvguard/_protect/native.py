@@ -45,6 +45,17 @@ def table_module() -> Optional[ModuleType]:
     return module if module is not None and hasattr(module, "Table") else None
 
 
+def _tensors(found: list[Any]) -> list[Any]:
+    """The tensors of a walk's leaves and runs, in order."""
+    tensors: list[Any] = []
+    for item in found:
+        if type(item) is _tree.Run:
+            tensors += item.tensors
+        else:
+            tensors.append(item.tensor)
+    return tensors
+
+
 class RowEntry(Entry):
     """A row of the table, as the judges and reports use an `Entry`; made when one needs it."""
 
@@ -53,7 +64,7 @@ class RowEntry(Entry):
     def __init__(self, owner: NativeSet, row: int) -> None:  # noqa: D107 - no Entry.__init__: the table holds it
         self._owner = owner
         self.row = row
-        self.path = owner._paths[row] or ""  # a live row always has its path
+        self.path = owner._path(row)
         self.placed_at = owner._placed[row]
         self.aliases = ()
         self.detached = False
@@ -120,15 +131,15 @@ class NativeSet(ProtectedSet):
             raise RuntimeError("the compiled extension is not loaded")
         self._table = module.Table(_torch.PLAIN, fingerprint)
         self._module = module
-        self._paths: list[Optional[str]] = []  # per row
+        self._paths: list[Any] = []  # per row: its path, or (prefix, first row) for a run's rows (`_path`)
         self._placed: list[Optional[str]] = []  # per row: where it was placed (None: there at entry)
         self._made: dict[int, RowEntry] = {}  # rows a hit or a report asked for
         self._py_records: dict[int, _records.Record] = {}  # rows the table cannot describe
         self._py_digests: dict[int, _digest.Digest] = {}  # digests Python took (another device)
         self._py_memory = MemoryIndex()  # the memory of the Python-kept rows
         self._identity_rows = False  # some row has no readable memory: writes are matched by identity
-        self._swept_at = 0  # rows when last swept
-        self._watcher = Watcher(root, name, keys, ignore)
+        self._swept_at = self._live_at_sweep = 0  # rows, and rows alive, when last swept
+        self._watcher = Watcher(root, name, keys, ignore, runs=True)
         self._dirty = False
         self._walk: tuple[int, dict[int, list[str]]] = (0, {})  # the last full walk (`_scan_now`)
         self._applied: set[int] = set()  # rows whose entry took its paths from that walk
@@ -139,6 +150,14 @@ class NativeSet(ProtectedSet):
         self._scan(frames=None)
 
     # -- rows --------------------------------------------------------------------------
+
+    def _path(self, row: int) -> str:
+        """A row's path: kept as it is, or spelled from its run's prefix."""
+        path = self._paths[row]
+        if path is None or type(path) is str:
+            return path or ""
+        prefix, first = path
+        return f"{prefix}[{row - first}]"
 
     def _entry(self, row: int) -> RowEntry:
         entry = self._made.get(row)
@@ -153,31 +172,45 @@ class NativeSet(ProtectedSet):
     def tensor_of(self, entry: Entry) -> Optional[torch.Tensor]:
         return entry.ref()
 
-    def _add(self, leaves: list[_tree.Leaf], frames: Optional[list[Any]]) -> Any:
-        """Protect newly reached tensors in one C++ call; returns what the hook must learn."""
-        first, again, python = self._table.add([leaf.tensor for leaf in leaves])
+    def _add(self, found: list[Any], frames: Optional[list[Any]]) -> Any:
+        """Protect newly reached tensors (a walk's leaves and runs) in one C++ call; returns what
+        the hook must learn."""
+        first, again, python = self._table.add(_tensors(found))
         if again:
             taken = {position for position, _ in again}
-            leaves = [leaf for i, leaf in enumerate(leaves) if i not in taken]
-        return self._took(first, leaves, python, frames)
+            found = [leaf for i, leaf in enumerate(_tree.leaves_of(found)) if i not in taken]
+        return self._took(first, found, python, frames)
 
-    def _took(self, first: int, leaves: list[_tree.Leaf], python: list[int], frames: Optional[list[Any]]) -> Any:
-        """Rows from `first` on were made for `leaves`: keep their paths and placements."""
-        if not leaves:
+    def _took(self, first: int, found: list[Any], python: list[int], frames: Optional[list[Any]]) -> Any:
+        """Rows from `first` on were made for `found` (leaves and runs, every tensor new): keep
+        their paths and placements, a run's as one (prefix, first row) for all its rows."""
+        paths, placed = self._paths, self._placed
+        placements = _frames.Placements(frames) if frames is not None else None  # each frame read once
+        row = first
+        for item in found:
+            if type(item) is _tree.Run:
+                n = len(item.tensors)
+                if not n:
+                    continue
+                paths += [(item.path, row)] * n
+                placed += [None] * n if placements is None else placements.placed_at_run(item.chain, item.lst,
+                                                                                          item.tensors)
+                row += n
+            else:
+                paths.append(item.path)
+                placed.append(None if placements is None else placements.placed_at(item.chain, item.tensor))
+                row += 1
+        count = row - first
+        if not count:
             return None
-        self._paths += [leaf.path for leaf in leaves]
-        if frames is None:
-            self._placed += [None] * len(leaves)
-        else:
-            placements = _frames.Placements(frames)  # each frame read once, each container's answer once
-            self._placed += [placements.placed_at(leaf.chain, leaf.tensor) for leaf in leaves]
-        self.protected_count += len(leaves)
+        self.protected_count += count
         table = self._table
         if not table.summary(first)[1]:
             self._identity_rows = True
         adopted = self._adopt_python(python) if python else []
-        if len(table) - self._swept_at > table.live() - len(leaves) + _SWEEP_EVERY:
+        if len(table) - self._swept_at > self._live_at_sweep + _SWEEP_EVERY:  # O(1) a row, amortized
             self._sweep()
+        del found
         return _Added(first, adopted)
 
     def _adopt_python(self, rows: list[int]) -> list[RowEntry]:
@@ -206,13 +239,38 @@ class NativeSet(ProtectedSet):
         return python
 
     def _sweep(self) -> None:
-        """Let go of the rows whose tensor died (their TensorImpl objects, their paths)."""
-        swept = self._table.sweep()
+        """Let go of the rows whose tensor died (their TensorImpl objects, their paths); once the
+        dead outnumber the living, renumber the rows so that what is kept stays in proportion
+        to what is alive."""
+        table = self._table
+        swept = table.sweep()
         for row in swept:
             self._forget_row(row)
         if swept:
             self._py_memory.invalidate()
-        self._swept_at = len(self._table)
+        if len(table) - table.live() > table.live() + _SWEEP_EVERY:
+            self._compact()
+        self._swept_at, self._live_at_sweep = len(table), table.live()
+
+    def _compact(self) -> None:
+        kept = self._table.compact()
+        new = {old: row for row, old in enumerate(kept)}
+        self._paths = [self._path(old) for old in kept]
+        self._placed = [self._placed[old] for old in kept]
+        made: dict[int, RowEntry] = {}
+        for old, entry in self._made.items():
+            if old in new:
+                entry.row = made_row = new[old]
+                made[made_row] = entry
+        self._made = made
+        self._py_records = {new[old]: r for old, r in self._py_records.items() if old in new}
+        self._py_digests = {new[old]: d for old, d in self._py_digests.items() if old in new}
+        first, walked = self._walk
+        self._walk = (sum(1 for old in kept if old < first),
+                      {new[old]: paths for old, paths in walked.items() if old in new})
+        self._applied = {new[old] for old in self._applied if old in new}
+        self._py_memory.invalidate()
+        self._rebuild_index()  # the hook's view of the rows: republished
 
     def _forget_row(self, row: int) -> None:
         self._paths[row] = self._placed[row] = None
@@ -238,9 +296,10 @@ class NativeSet(ProtectedSet):
         reached and by which paths, for `settle` (no per-tensor work for a tensor reached once)."""
         self._dirty = False
         leaves = self._watcher.walk_all()
-        first, again, python = self._table.add([leaf.tensor for leaf in leaves])
+        first, again, python = self._table.add(_tensors(leaves))
         walked: dict[int, list[str]] = {}  # row -> its paths in this walk, beyond a new row's own
         if again:
+            leaves = _tree.leaves_of(leaves)
             for position, row in again:
                 walked.setdefault(row, []).append(leaves[position].path)
             taken = {position for position, _ in again}

@@ -56,6 +56,32 @@ class Leaf(NamedTuple):
 _leaf = functools.partial(tuple.__new__, Leaf)  # Leaf((path, tensor, chain)) without the Python-level __new__
 
 
+class Run(NamedTuple):
+    """The leaves of a list of tensors in one piece (a walk with `runs`): `tensors[i]` is at
+    `f"{path}[{i}]"`, by the chain `chain + ((lst, i),)`. No leaf is made per tensor."""
+
+    path: str
+    lst: list[Any]
+    chain: tuple[tuple[Container, Any], ...]
+    tensors: list[Any]
+
+    def leaves(self) -> list[Leaf]:
+        return [_leaf((f"{self.path}[{i}]", t, self.chain + ((self.lst, i),))) for i, t in enumerate(self.tensors)]
+
+
+def leaves_of(found: list[Any]) -> list[Leaf]:
+    """A walk's leaves with its runs spelled out, one leaf per tensor."""
+    if not any(type(item) is Run for item in found):
+        return found
+    out: list[Leaf] = []
+    for item in found:
+        if type(item) is Run:
+            out += item.leaves()
+        else:
+            out.append(item)
+    return out
+
+
 class Probe(NamedTuple):
     """A container the C check cannot see into (slots, a deque): `read(obj)` gives what it holds."""
 
@@ -317,7 +343,8 @@ def walk(
     chain: tuple[tuple[Container, Any], ...] = (),
     seen: Optional[dict[int, Any]] = None,
     owners: Optional[dict[int, Owner]] = None,
-) -> tuple[list[Leaf], list[Container]]:
+    runs: bool = False,
+) -> tuple[list[Any], list[Container]]:
     """All tensor leaves under `root`, and what to watch to notice placements.
 
     A leaf is a tensor when `is_tensor(leaf)` says so, or, when `is_tensor` is a type
@@ -336,8 +363,11 @@ def walk(
     not to enter (walked already) to themselves, and receives the ones walked now (held,
     so that no id is reused while it is kept), and `owners` receives, per watched id,
     the `Owner` a store into it changes.
+
+    With `runs`, a list of tensors below the root is one `Run` in the first list, not a
+    leaf per tensor (`leaves_of` spells them out).
     """
-    leaves: list[Leaf] = []
+    leaves: list[Any] = []  # Leaf, or Run with `runs`
     watched: list[Container] = []
     seen = {} if seen is None else seen
     if isinstance(is_tensor, type):
@@ -367,6 +397,11 @@ def walk(
         seen[id(obj)] = obj
         _watch(obj, kind, watched, watched_ids, slots, Owner(obj, path, chain_) if owners is not None else None,
                owners)
+        if kind == _LIST and chain_ and tensor_type is not None and runs and _list_tensors_c is not None:
+            tensors = _list_tensors_c(obj, tensor_type)  # a list of tensors: one run
+            if tensors is not None:
+                leaves.append(Run(path, obj, chain_, tensors))
+                continue
         if kind == _LIST and chain_ and tensor_type is not None and _list_leaves_c is not None:
             found = _list_leaves_c(obj, path, chain_, tensor_type, Leaf)  # a list of tensors, in C
             if found is not None:
@@ -429,12 +464,14 @@ def _contains(collection: Collection[Any], key: Any) -> bool:
 
 _same_values_c: Optional[Callable[[tuple[Any, ...], tuple[Any, ...]], bool]]
 _list_leaves_c: Optional[Callable[..., Optional[list[Any]]]]
+_list_tensors_c: Optional[Callable[..., Optional[list[Any]]]]
 try:  # the same check, and the leaves of a list of tensors, in C, when the optional extension built
     from kvguard._native import speedups as _speedups
 
     _same_values_c, _list_leaves_c = _speedups.same_values, _speedups.list_leaves
 except (ImportError, AttributeError):  # pragma: no cover - no compiler at install (or a stale build)
     _same_values_c = _list_leaves_c = None
+_list_tensors_c = getattr(_speedups, "list_tensors", None) if _list_leaves_c is not None else None
 
 
 class Snapshot(NamedTuple):

@@ -19,8 +19,10 @@ from kvguard._protect import tree as _tree
 class Watcher:
     """What one guarded object's containers held, and the walk state to find what was placed."""
 
-    def __init__(self, root: Any, name: str, keys: Optional[Collection[Any]], ignore: Collection[Any]) -> None:
+    def __init__(self, root: Any, name: str, keys: Optional[Collection[Any]], ignore: Collection[Any],
+                 runs: bool = False) -> None:
         self.root, self.name, self.keys, self.ignore = root, name, keys, ignore
+        self.runs = runs  # lists of tensors come back as one `tree.Run` each
         self.snapshot = _tree.snapshot([])
         self.owners: dict[int, _tree.Owner] = {}  # id of a watched dict, list or probe -> its container
         self.walked: dict[int, Any] = {}  # id -> every container walked since the last full walk
@@ -28,12 +30,14 @@ class Watcher:
         self.partial = False  # placements were walked in part since the last full walk
         self.keys_seen: set[Any] = set()  # top-level keys (or indices) the root ever held
 
-    def walk_all(self) -> list[_tree.Leaf]:
-        """Every tensor reachable from the guarded object, each path once; the watch starts over."""
+    def walk_all(self) -> list[Any]:
+        """Every tensor reachable from the guarded object, each path once (leaves, or runs); the
+        watch starts over."""
         self.partial, self.grown = False, 0
         self.owners, self.walked = {}, {}
         leaves, containers = _tree.walk(self.root, self.name, torch.Tensor, self.keys, self.ignore,
-                                        top_keys=self.keys_seen, seen=self.walked, owners=self.owners)
+                                        top_keys=self.keys_seen, seen=self.walked, owners=self.owners,
+                                        runs=self.runs)
         self.snapshot = _tree.snapshot(containers)
         return leaves
 
@@ -45,7 +49,7 @@ class Watcher:
         """Whether a watched dict's keys changed (a rename moves paths with no placement)."""
         return _tree.keys_changed(self.snapshot)
 
-    def placed(self) -> Optional[list[_tree.Leaf]]:
+    def placed(self) -> Optional[list[Any]]:
         """The tensors placed into the containers that changed, walking only what is new; None
         when only a full walk can tell (`walk_all`).
 
@@ -64,7 +68,7 @@ class Watcher:
                 self.walked.pop(id(owner.obj), None)
                 found, watched = _tree.walk(owner.obj, owner.path, torch.Tensor, self.keys, self.ignore,
                                             top_keys=self.keys_seen, chain=owner.chain, seen=self.walked,
-                                            owners=self.owners)
+                                            owners=self.owners, runs=self.runs)
                 leaves += found
                 grown += watched
                 continue
@@ -76,7 +80,7 @@ class Watcher:
             for step, value in kids:
                 found, watched = _tree.walk(value, owner.path + _tree.step_text(step), torch.Tensor,
                                             chain=owner.chain + ((target, step),), seen=self.walked,
-                                            owners=self.owners)
+                                            owners=self.owners, runs=self.runs)
                 leaves += found
                 grown += watched
         self.grown += len(grown)

@@ -8,6 +8,9 @@
  * list_leaves(lst, path, chain, tensor_type, leaf_type) -> list | None
  *   The walk's leaves for a list of tensors, built in C (see below).
  *
+ * list_tensors(lst, tensor_type) -> list | None
+ *   The same list's tensors alone, for a walk that keeps a list of tensors as one run.
+ *
  * The capsule `kvguard._native.speedups._api` gives the same check to kvguard._native.write_hook, which
  * runs it before every writing op without entering Python code.
  *
@@ -131,6 +134,30 @@ fail:
     return NULL;
 }
 
+/* list_tensors(lst, tensor_type) -> list | None
+ *   A copy of a list whose items are all instances of `tensor_type`, else None: what
+ *   list_leaves reads, without a leaf per item (kvguard._protect.tree's runs). */
+static PyObject *
+list_tensors(PyObject *self, PyObject *args)
+{
+    PyObject *lst, *tensor_type;
+    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &lst, &tensor_type))
+        return NULL;
+    PyObject *items = PyList_GetSlice(lst, 0, PY_SSIZE_T_MAX);
+    if (items == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        int is = PyObject_IsInstance(PyList_GET_ITEM(items, i), tensor_type);
+        if (is <= 0) {
+            Py_DECREF(items);
+            if (is < 0)
+                return NULL;
+            Py_RETURN_NONE;
+        }
+    }
+    return items;
+}
+
 /* The capsule's contents: a version and the check (the GIL held, `containers` and `held` tuples). */
 typedef struct {
     int version;
@@ -144,6 +171,8 @@ static PyMethodDef methods[] = {
      "same_values(containers, held): do the lists and dicts hold exactly `held`, by identity?"},
     {"list_leaves", list_leaves, METH_VARARGS,
      "list_leaves(lst, path, chain, tensor_type, leaf_type): the leaves of a list of tensors, or None"},
+    {"list_tensors", list_tensors, METH_VARARGS,
+     "list_tensors(lst, tensor_type): a copy of a list of tensors, or None"},
     {NULL, NULL, 0, NULL},
 };
 

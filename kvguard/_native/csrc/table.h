@@ -94,6 +94,9 @@ class RowMap {
       if (s.key == kEmpty) return;
     }
   }
+  void prefetch(const void* key) const {
+    if (!slots_.empty()) __builtin_prefetch(&slots_[slot(key)], 1);
+  }
   // Room for `n` used slots (live and tombstones) at most half full.
   void reserve(size_t n) {
     if (2 * n <= slots_.size()) return;
@@ -177,13 +180,14 @@ struct TableData {
     for (size_t i = 0; i < sorted.size(); ++i) reach[i] = most = std::max(most, sorted[i].stop);
   }
 
-  void index_row(int32_t row) {
+  // `batch`: more rows follow at once (add() merges once at its end).
+  void index_row(int32_t row, bool batch = false) {
     const auto r = (size_t)row;
     if (flags[r] & (kPython | kGone) || start[r] >= stop[r]) return;
     recent.push_back(IndexSpan{start[r], stop[r], row, device[r]});
     // A short tail keeps a lookup cheap; merging when it reaches a sixteenth of the sorted
     // part (at least 64) costs O(1) amortized per row.
-    if (recent.size() > 64 + sorted.size() / 16) merge_recent();
+    if (!batch && recent.size() > 64 + sorted.size() / 16) merge_recent();
   }
 
   // Rows whose current span meets [lo, hi) on `dev`, each once, in row order.
@@ -265,27 +269,67 @@ struct TableObject {
 
 PyTypeObject* table_type();
 
+// A TensorImpl's refcounts, storage, sizes and strides lie on its first few cache lines.
+inline void prefetch_impl(const c10::TensorImpl* impl, int write) {
+  const char* p = reinterpret_cast<const char*>(impl);
+  if (write) {
+    __builtin_prefetch(p, 1);
+  } else {
+    __builtin_prefetch(p);
+  }
+  __builtin_prefetch(p + 64);
+  __builtin_prefetch(p + 128);
+}
+
+constexpr uintptr_t kDigestNow = 64 * 1024;  // bytes a digest takes with the GIL held, in the describe pass
+constexpr auto kDigested = static_cast<decltype(Described::kHost)>(3);  // taken in that pass
+
 // Describes tensors (alive: the caller holds them), the digests on the host with the GIL released.
 void describe_all(const std::vector<at::Tensor>& tensors, const std::vector<bool>& plain,
                   std::vector<Described>* out, bool want_digest) {
   const DigestApi* api = want_digest ? digest_api() : nullptr;
   const int max_dims = api == nullptr ? 0 : api->max_dims;
   out->assign(tensors.size(), Described());
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    if (!plain[i]) continue;
-    try {
-      describe_tensor(tensors[i], (*out)[i], want_digest, max_dims);
-    } catch (...) {
-      (*out)[i] = Described();
+  const size_t n = tensors.size();
+  for (size_t i = 0; i < n; ++i) {
+    // Each tensor's TensorImpl, then its StorageImpl, are a cache miss apiece when the set is
+    // large: fetched a few tensors ahead, so that the misses overlap instead of adding up.
+    if (i + 16 < n) prefetch_impl(tensors[i + 16].unsafeGetTensorImpl(), 0);
+    if (i + 8 < n) {
+      const c10::TensorImpl* ahead = tensors[i + 8].unsafeGetTensorImpl();
+      if (ahead->has_storage()) __builtin_prefetch(ahead->storage().unsafeGetStorageImpl());
     }
-    if (api == nullptr && (*out)[i].digest_kind == Described::kHost) (*out)[i].digest_kind = Described::kDevice;
+    if (i + 4 < n) {
+      const c10::TensorImpl* ahead = tensors[i + 4].unsafeGetTensorImpl();
+      if (ahead->has_storage() && ahead->storage().data() != nullptr)
+        __builtin_prefetch(static_cast<const char*>(ahead->storage().data()) +
+                           ahead->storage_offset() * (int64_t)ahead->itemsize());
+    }
+    if (!plain[i]) continue;
+    Described& d = (*out)[i];
+    try {
+      describe_tensor(tensors[i], d, want_digest, max_dims);
+    } catch (...) {
+      d = Described();
+    }
+    if (api == nullptr && d.digest_kind == Described::kHost) d.digest_kind = Described::kDevice;
+    if (d.digest_kind == Described::kHost && d.stop - d.start <= kDigestNow) {  // small: now, while it is in cache
+      d.digest = api->digest_strided(d.data, d.itemsize, (int)d.sizes.size(), d.sizes.data(), d.strides.data());
+      d.digest_kind = kDigested;
+    }
   }
   if (api == nullptr) return;
-  Py_BEGIN_ALLOW_THREADS
+  bool large = false;
+  for (const Described& d : *out) large = large || d.digest_kind == Described::kHost;
+  if (large) {
+    Py_BEGIN_ALLOW_THREADS  // large tensors: other threads run meanwhile
+    for (Described& d : *out)
+      if (d.digest_kind == Described::kHost)
+        d.digest = api->digest_strided(d.data, d.itemsize, (int)d.sizes.size(), d.sizes.data(), d.strides.data());
+    Py_END_ALLOW_THREADS
+  }
   for (Described& d : *out)
-    if (d.digest_kind == Described::kHost)
-      d.digest = api->digest_strided(d.data, d.itemsize, (int)d.sizes.size(), d.sizes.data(), d.strides.data());
-  Py_END_ALLOW_THREADS
+    if (d.digest_kind == kDigested) d.digest_kind = Described::kHost;
 }
 
 bool is_plain(TableObject* self, PyObject* obj) {
@@ -344,6 +388,7 @@ PyObject* table_add(TableObject* self, PyObject* arg) {
   TableData& t = *self->data;
   const Py_ssize_t n = PyList_GET_SIZE(arg);
   for (Py_ssize_t i = 0; i < n; ++i) {  // checked first: a bad item leaves the table as it was
+    if (i + 8 < n) __builtin_prefetch(PyList_GET_ITEM(arg, i + 8));
     PyObject* obj = PyList_GET_ITEM(arg, i);
     if (!THPVariable_Check(obj)) {
       PyErr_Format(PyExc_TypeError, "Table.add: item %zd is a %.100s, not a tensor", i, Py_TYPE(obj)->tp_name);
@@ -359,6 +404,11 @@ PyObject* table_add(TableObject* self, PyObject* arg) {
   const int32_t first = (int32_t)t.impl.size();
   t.row_of.reserve(t.live + (size_t)n);
   for (Py_ssize_t i = 0; i < n; ++i) {
+    if (i + 4 < n) {  // the misses of tensors a few ahead (object, TensorImpl, map slot) overlap this one's
+      const c10::TensorImpl* ahead = THPVariable_Unpack(PyList_GET_ITEM(arg, i + 4)).unsafeGetTensorImpl();
+      __builtin_prefetch(ahead, 1);
+      t.row_of.prefetch(ahead);
+    }
     PyObject* obj = PyList_GET_ITEM(arg, i);
     const at::Tensor& tensor = THPVariable_Unpack(obj);
     const c10::TensorImpl* key = tensor.unsafeGetTensorImpl();
@@ -396,9 +446,9 @@ PyObject* table_add(TableObject* self, PyObject* arg) {
     t.impl.emplace_back(tensors[k].getIntrusivePtr());
     t.set_record(r, found[k]);
     ++t.live;
-    t.index_row((int32_t)r);
+    t.index_row((int32_t)r, /*batch=*/true);
   }
-  if (t.recent.size() > 256) t.merge_recent();  // a large batch: lookups stay logarithmic
+  if (t.recent.size() > 64) t.merge_recent();  // one sort for the batch: lookups stay logarithmic
   std::vector<size_t> python;  // new rows whose record or digest Python must take
   for (size_t k = 0; k < tensors.size(); ++k)
     if (t.flags[(size_t)first + k] & (kPython | kPyDigest)) python.push_back((size_t)first + k);
@@ -538,7 +588,11 @@ void lock_rows(TableData& t, const std::vector<size_t>* rows, std::vector<size_t
   if (rows != nullptr) {
     for (size_t r : *rows) one(r);
   } else {
-    for (size_t r = 0; r < t.impl.size(); ++r) one(r);
+    const size_t n = t.impl.size();
+    for (size_t r = 0; r < n; ++r) {
+      if (r + 16 < n) prefetch_impl(t.impl[r + 16]._unsafe_get_target(), 1);  // its refcounts: written
+      one(r);
+    }
   }
 }
 
@@ -736,6 +790,48 @@ PyObject* table_sweep(TableObject* self, PyObject*) {
   return rows_list(swept);
 }
 
+// compact() -> list[int]: the rows that are gone are dropped and the others renumbered, in
+// order; returns the old number of each row kept (its new number is its position), so a
+// table that protects tensor after tensor in a long guard stays as large as what is alive.
+PyObject* table_compact(TableObject* self, PyObject*) {
+  KVGUARD_TRY
+  TableData& t = *self->data;
+  std::vector<size_t> kept;
+  for (size_t r = 0; r < t.impl.size(); ++r)
+    if (!(t.flags[r] & kGone)) kept.push_back(r);
+  for (size_t k = 0; k < kept.size(); ++k) {
+    const size_t r = kept[k];
+    if (r == k) continue;
+    t.impl[k] = std::move(t.impl[r]);
+    t.layout[k] = t.layout[r];
+    t.digest[k] = t.digest[r];
+    t.start[k] = t.start[r];
+    t.stop[k] = t.stop[r];
+    t.device[k] = t.device[r];
+    t.flags[k] = t.flags[r];
+  }
+  const size_t n = kept.size();
+  t.impl.erase(t.impl.begin() + (std::ptrdiff_t)n, t.impl.end());
+  t.layout.resize(n);
+  t.digest.resize(n);
+  t.start.resize(n);
+  t.stop.resize(n);
+  t.device.resize(n, c10::Device(c10::kCPU));
+  t.flags.resize(n);
+  t.row_of.clear();
+  t.row_of.reserve(n);
+  t.sorted.clear();
+  t.recent.clear();
+  for (size_t r = 0; r < n; ++r) {
+    t.row_of.put(t.impl[r]._unsafe_get_target(), (int32_t)r);
+    t.index_row((int32_t)r, /*batch=*/true);
+  }
+  t.merge_recent();
+  t.live = n;
+  return rows_list(kept);
+  KVGUARD_CATCH
+}
+
 // summary(first=0) -> (any inference tensor, every row has memory or Python keeps it) over
 // live rows from `first`.
 PyObject* table_summary(TableObject* self, PyObject* args) {
@@ -839,6 +935,8 @@ PyMethodDef table_methods[] = {
     {"meeting", (PyCFunction)table_meeting, METH_VARARGS, "meeting(start, stop, device) -> list[int]"},
     {"meets", (PyCFunction)table_meets, METH_VARARGS, "meets(start, stop, device) -> bool"},
     {"sweep", (PyCFunction)table_sweep, METH_NOARGS, "sweep() -> list[int]: the rows let go"},
+    {"compact", (PyCFunction)table_compact, METH_NOARGS,
+     "compact() -> list[int]: drop gone rows, renumber the rest; the old number of each, in order"},
     {"summary", (PyCFunction)table_summary, METH_VARARGS, "summary(first=0) -> (inference, all_memory)"},
     {"clear", (PyCFunction)table_clear, METH_NOARGS, "clear() -> None"},
     {"publication", (PyCFunction)table_publication_py, METH_VARARGS,
