@@ -18,6 +18,7 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
+import linecache
 import statistics
 import time
 from typing import Any, Callable
@@ -44,7 +45,12 @@ def _frames(n: int) -> Callable[[int, dict[str, Any]], None]:
         "    return frame_{after}(depth - 1, rd) if depth else grpo(rd)\n"
     namespace: dict[str, Any] = {"grpo": grpo}
     for i in range(max(DEPTHS) + 1):
-        exec(source.format(i=i, after=i + 1), namespace)  # noqa: S102 - the benchmark's own frames
+        # Registered with linecache: kvguard reads a frame's stores from its source, and exec'd
+        # code without one would show it no stores at all (the frames would cost nothing).
+        text = source.format(i=i, after=i + 1)
+        filename = f"<bench_depth frame {i}>"
+        linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+        exec(compile(text, filename, "exec"), namespace)  # noqa: S102 - the benchmark's own frames
     return namespace["frame_0"]  # type: ignore[no-any-return]
 
 

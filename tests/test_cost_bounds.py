@@ -2,12 +2,15 @@
 
 Issue 17's cliff: the first write to a protected tensor under a guard over 100,000 tensors
 built the lookup index over all of them, 150-200 ms (1.3 s before the collector was
-paused), where the target is 0.5 ms. The bounds here are 100 times the target, for a
-loaded 2-core box: they catch the cliff, not a regression of a few percent
-(`benchmarks/bench_scaling.py` measures that). Wall time, since that is what the user
-waits; each case is tried up to three times, each time with new tensors and a new guard,
-so that one descheduling does not fail it and a cliff fails every try. The bounds are
-the `compiled` engine's; the others keep their index in Python.
+paused). The compiled engine's protected set (`kvguard._protect.native`) keeps its index
+up to date as tensors arrive, so the first write costs what a later one does: the lookup
+(microseconds) and the report it makes (about a millisecond: the diff and the event, the
+same at 49 tensors). The bound is ten times that, for a loaded 2-core box: it catches the
+cliff, not a regression of a few percent (`benchmarks/bench_scaling.py` measures that).
+Wall time, since that is what the user waits; each case is tried up to three times, each
+time with new tensors and a new guard, so that one descheduling does not fail it and a
+cliff fails every try. The bounds are the `compiled` engine's; the others keep their
+index in Python.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import kvguard
 pytestmark = pytest.mark.parametrize("engine", ["compiled"], indirect=True)
 
 PROTECTED = 100_000
-BOUND_MS = 50.0
+BOUND_MS = 10.0
 TRIES = 3
 
 
@@ -54,7 +57,7 @@ def test_the_first_protected_write_under_a_guard_over_100000_tensors_costs_no_in
         if first < BOUND_MS:
             return
     pytest.fail(f"the first write took {', '.join(f'{ms:.1f}' for ms in tries)} ms over {PROTECTED:,} "
-                f"protected tensors (bound {BOUND_MS:g} ms, target 0.5 ms)")
+                f"protected tensors (bound {BOUND_MS:g} ms)")
 
 
 def test_a_later_protected_write_under_a_guard_over_100000_tensors_is_as_cheap() -> None:

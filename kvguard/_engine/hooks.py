@@ -134,9 +134,10 @@ class HookEngine:
             elif added and judge is not None and judge.protected.publish(backend, added, False):
                 backend.set_send_all(True)
             watching = [j.protected for j in judges if j.protected.watching]
-            snapshots = [p.snapshot_pair() for p in watching]
+            snapshots = [p.snapshot_pairs() for p in watching]
             backend.set_watch(self._look if watching else None,
-                              None if any(s is None for s in snapshots) else snapshots)
+                              None if any(s is None for s in snapshots) else [
+                                  pair for pairs in snapshots for pair in pairs or ()])
 
     def _look(self) -> None:
         """Before a write is judged: protect what was placed since the last look."""

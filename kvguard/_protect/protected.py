@@ -84,7 +84,7 @@ class ProtectedSet:
         """Protect what was placed since the last look (and forget what died): before any write is judged."""
         if self._dirty:
             self._forget_dead()
-        if _tree.changed(self._watcher.snapshot):  # the hot path: no call in between
+        if self._watcher.changed():  # the hot path: one identity comparison per value, in C
             frames = list(_frames.user_frames(sys._getframe(1)))
             with collector_paused():
                 self._place(frames)
@@ -144,9 +144,9 @@ class ProtectedSet:
             del self._entries[key]
         return bool(dead)
 
-    def snapshot_pair(self) -> Optional[tuple[tuple[Any, ...], tuple[Any, ...]]]:
-        """(containers, held) for the compiled hook to compare before each write (`Watcher.snapshot_pair`)."""
-        return self._watcher.snapshot_pair()
+    def snapshot_pairs(self) -> Optional[list[tuple[tuple[Any, ...], tuple[Any, ...]]]]:
+        """(containers, held) pairs for the compiled hook to compare before each write (`Watcher.snapshot_pairs`)."""
+        return self._watcher.snapshot_pairs()
 
     @property
     def watching(self) -> bool:

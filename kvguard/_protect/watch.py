@@ -5,6 +5,10 @@ Before every write op the containers are compared by identity with what they hel
 it newly holds is walked. A container that lost a nested container, one no walk owns,
 or a watch grown to twice its size since the last full walk asks for a full walk instead,
 so that nothing unreachable stays held.
+
+The snapshot is kept in segments: a container of `SEGMENT` values or more alone, smaller
+ones together up to that size. A placement takes a new snapshot of the segments it
+changed only, so its cost follows the containers it went into, not everything watched.
 """
 
 from __future__ import annotations
@@ -16,6 +20,34 @@ import torch
 from kvguard._protect import tree as _tree
 
 
+SEGMENT = 256  # values: a container this large is a segment of its own
+
+
+def _segments(containers: list[Any]) -> list[_tree.Snapshot]:
+    """Snapshots of `containers` in segments (see the module's docstring), in order."""
+    out: list[_tree.Snapshot] = []
+    chunk: list[Any] = []
+    size = 0
+    for container in containers:
+        n = 1 if type(container) is _tree.Probe else len(container)
+        if n >= SEGMENT:
+            out.append(_tree.snapshot([container]))
+            continue
+        chunk.append(container)
+        size += n
+        if size >= SEGMENT:
+            out.append(_tree.snapshot(chunk))
+            chunk, size = [], 0
+    if chunk:
+        out.append(_tree.snapshot(chunk))
+    return out
+
+
+def _parts(snap: _tree.Snapshot) -> list[Any]:
+    """The containers and probes a snapshot was taken of."""
+    return [*snap.containers, *(probe for probe, _ in snap.probes)]
+
+
 class Watcher:
     """What one guarded object's containers held, and the walk state to find what was placed."""
 
@@ -23,7 +55,7 @@ class Watcher:
                  runs: bool = False) -> None:
         self.root, self.name, self.keys, self.ignore = root, name, keys, ignore
         self.runs = runs  # lists of tensors come back as one `tree.Run` each
-        self.snapshot = _tree.snapshot([])
+        self.segments: list[_tree.Snapshot] = []
         self.owners: dict[int, _tree.Owner] = {}  # id of a watched dict, list or probe -> its container
         self.walked: dict[int, Any] = {}  # id -> every container walked since the last full walk
         self.grown = 0  # containers added to the watch since the last full walk
@@ -38,16 +70,16 @@ class Watcher:
         leaves, containers = _tree.walk(self.root, self.name, torch.Tensor, self.keys, self.ignore,
                                         top_keys=self.keys_seen, seen=self.walked, owners=self.owners,
                                         runs=self.runs)
-        self.snapshot = _tree.snapshot(containers)
+        self.segments = _segments(containers)
         return leaves
 
     def changed(self) -> bool:
         """Whether a watched container holds other values than at the last look."""
-        return _tree.changed(self.snapshot)
+        return any(map(_tree.changed, self.segments))
 
     def keys_changed(self) -> bool:
         """Whether a watched dict's keys changed (a rename moves paths with no placement)."""
-        return _tree.keys_changed(self.snapshot)
+        return any(map(_tree.keys_changed, self.segments))
 
     def placed(self) -> Optional[list[Any]]:
         """The tensors placed into the containers that changed, walking only what is new; None
@@ -56,10 +88,10 @@ class Watcher:
         Costs in proportion to what was placed (and, for a store that is not an append, to
         the size of the container it went into), not to everything watched.
         """
-        snap = self.snapshot
-        leaves: list[_tree.Leaf] = []
+        leaves: list[Any] = []
         grown: list[Any] = []
-        for target, held in _tree.changed_at(snap):
+        touched = [i for i, snap in enumerate(self.segments) if _tree.changed(snap)]
+        for target, held in (pair for i in touched for pair in _tree.changed_at(self.segments[i])):
             owner = self.owners.get(id(target))
             diff = _tree.new_children(target, held) if owner is not None and target is owner.obj else None
             if owner is None or (diff is not None and any(id(v) in self.walked for v in diff[1])):
@@ -86,23 +118,27 @@ class Watcher:
         self.grown += len(grown)
         if self.grown > max(len(self.owners) - self.grown, 8):
             return None  # the watch doubled: drop what is no longer reachable
-        self.snapshot = _tree.snapshot([*snap.containers, *(p for p, _ in snap.probes), *grown])
+        segments = self.segments
+        for i in touched:  # the segments that changed, taken again; the others as they were
+            segments[i] = _tree.snapshot(_parts(segments[i]))
+        segments += _segments(grown)
         self.partial = True
         return leaves
 
-    def snapshot_pair(self) -> Optional[tuple[tuple[Any, ...], tuple[Any, ...]]]:
-        """(containers, held) for the compiled hook to compare before each write; None when only
-        Python can tell (slots and deques)."""
-        snap = self.snapshot
-        return None if snap.probed else (snap.containers, snap.held)
+    def snapshot_pairs(self) -> Optional[list[tuple[tuple[Any, ...], tuple[Any, ...]]]]:
+        """(containers, held) per segment, for the compiled hook to compare before each write;
+        None when only Python can tell (slots and deques)."""
+        if any(snap.probed for snap in self.segments):
+            return None
+        return [(snap.containers, snap.held) for snap in self.segments]
 
     @property
     def watching(self) -> bool:
         """Whether a placement can happen: the guarded object has containers to watch."""
-        return bool(self.snapshot.containers or self.snapshot.probed)
+        return any(snap.containers or snap.probed for snap in self.segments)
 
     def close(self) -> None:
         """Drop every reference to the guarded object and its containers."""
-        self.snapshot = _tree.snapshot([])
+        self.segments = []
         self.owners, self.walked = {}, {}
         self.root = None
