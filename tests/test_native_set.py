@@ -94,3 +94,28 @@ def test_a_placement_takes_a_new_snapshot_of_what_it_changed_only(engine: str) -
         assert big and any(s is big[0] for s in after)
         with pytest.raises(kvguard.MutationError):
             rd["new"].add_(1)
+
+
+def test_the_table_lets_a_dead_tensor_go_and_says_its_memory_was_met(engine: str) -> None:
+    from kvguard._protect.native import table_module
+
+    kvguard.guard({"warm": torch.zeros(1)}).__enter__().__exit__(None, None, None)  # loads the extension
+    module = table_module()
+    assert module is not None
+    table = module.Table((torch.Tensor, torch.nn.Parameter), True)
+    kept, doomed = torch.arange(8.0), torch.zeros(16)
+    first, again, python = table.add([kept, doomed, kept])
+    assert (first, again, python) == (0, [(2, 0)], [])  # the second path to `kept` takes no row
+    start, stop = doomed.data_ptr(), doomed.data_ptr() + 64
+    assert table.meeting(start, stop, doomed.device) == [1]
+    del doomed
+    gc.collect()
+    assert table.tensor(1) is None
+    assert table.meeting(start, stop, torch.device("cpu")) == [] and table.met_dead()
+    assert table.sweep() == [1] and table.live() == 1
+    assert table.compact() == [0] and len(table) == 1 and table.tensor(0) is kept
+    changed, moved, _ = table.refresh()
+    assert changed == [] and moved == []
+    kept.add_(1)  # no hook here: the digest finds it
+    changed, _, _ = table.refresh()
+    assert [row for row, _, _ in changed] == [0]

@@ -384,10 +384,16 @@ class NativeSet(ProtectedSet):
         if own:
             self._follow(own)
         if kind == "write" and not self._may_touch(written):
+            if table.met_dead():  # memory of a tensor that died, maybe another's now: the hook forgets it
+                self._sweep()
+                self._rebuild_index()
             return []
         found: list[Entry] = []
         for tensor in written:
             found += [e for e in self.hits(tensor, kind, resizes) if e not in found]
+        if table.met_dead():  # memory of a tensor that died, maybe another's now: the hook forgets it
+            self._sweep()
+            self._rebuild_index()
         if found and self._follow(found):  # memory it no longer owns: look again
             return self.written_entries(written, kind, resizes)
         return found

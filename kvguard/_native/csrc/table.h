@@ -152,6 +152,7 @@ struct TableData {
   std::vector<IndexSpan> sorted, recent;
   std::vector<uintptr_t> reach;
   bool want_digest = true;
+  bool met_dead = false;  // a lookup met a row whose tensor died since the last sweep
   size_t live = 0;
 
   bool current(const IndexSpan& s) const {
@@ -760,8 +761,13 @@ PyObject* table_meeting(TableObject* self, PyObject* args) {
   self->data->meeting((uintptr_t)lo, (uintptr_t)hi, dev, &found);
   std::vector<size_t> rows;
   rows.reserve(found.size());
-  for (int32_t r : found)
-    if (!self->data->impl[(size_t)r].expired()) rows.push_back((size_t)r);
+  for (int32_t r : found) {
+    if (!self->data->impl[(size_t)r].expired()) {
+      rows.push_back((size_t)r);
+    } else {
+      self->data->met_dead = true;  // its memory may be another tensor's now: sweep and republish
+    }
+  }
   return rows_list(rows);
   KVGUARD_CATCH
 }
@@ -773,6 +779,14 @@ PyObject* table_meets(TableObject* self, PyObject* args) {
   const bool any = PyList_GET_SIZE(list) > 0;
   Py_DECREF(list);
   return PyBool_FromLong(any);
+}
+
+// met_dead() -> bool: whether a lookup met a dead row since the last call (then sweep, and
+// tell the hook: the hook still sends writes to that memory here).
+PyObject* table_met_dead(TableObject* self, PyObject*) {
+  const bool met = self->data->met_dead;
+  self->data->met_dead = false;
+  return PyBool_FromLong(met);
 }
 
 // sweep() -> list[int]: forget the rows whose tensor died (their TensorImpl objects are let
@@ -935,6 +949,7 @@ PyMethodDef table_methods[] = {
     {"meeting", (PyCFunction)table_meeting, METH_VARARGS, "meeting(start, stop, device) -> list[int]"},
     {"meets", (PyCFunction)table_meets, METH_VARARGS, "meets(start, stop, device) -> bool"},
     {"sweep", (PyCFunction)table_sweep, METH_NOARGS, "sweep() -> list[int]: the rows let go"},
+    {"met_dead", (PyCFunction)table_met_dead, METH_NOARGS, "met_dead() -> bool (and clears it)"},
     {"compact", (PyCFunction)table_compact, METH_NOARGS,
      "compact() -> list[int]: drop gone rows, renumber the rest; the old number of each, in order"},
     {"summary", (PyCFunction)table_summary, METH_VARARGS, "summary(first=0) -> (inference, all_memory)"},
