@@ -196,6 +196,19 @@ def frame_namespace(frame: types.FrameType) -> dict[str, Any]:
     return namespace
 
 
+def frame_names(frame: types.FrameType, names: Collection[str]) -> dict[str, Any]:
+    """`frame_namespace` for `names` only: a trainer module's globals are not copied whole
+    (that copy, per frame read, was what made a placement cost more the deeper the stack)."""
+    local = frame.f_locals
+    found = {name: local[name] for name in names if name in local}
+    if len(found) < len(names):
+        globals_ = frame.f_globals
+        found.update((name, globals_[name]) for name in names if name not in found and name in globals_)
+    if _LOCALS_SNAPSHOT and frame.f_code.co_flags & inspect.CO_OPTIMIZED and sys.getrefcount(local) <= 3:
+        local.clear()  # see frame_namespace
+    return found
+
+
 def call_argument_text(frame: types.FrameType, callee_names: Collection[str]) -> Optional[str]:
     """The source text of the first argument of the call `frame` is executing.
 
@@ -351,7 +364,7 @@ class Placements:
         if read is None:
             frame = self._frames[i]
             stores = _stores_in(frame.f_code)
-            namespace = frame_namespace(frame) if stores else {}
+            namespace = frame_names(frame, _names_in(frame.f_code)) if stores else {}
             by_object: _StoresByObject = {}
             for n, store in enumerate(stores):
                 obj = namespace.get(store[1], _ANY)
@@ -414,6 +427,18 @@ def _same_key(a: Any, b: Any) -> bool:
 _Store = tuple[int, str, Any, tuple[str, ...]]
 _stores_cache: dict[types.CodeType, tuple[_Store, ...]] = {}
 _module_cache: dict[str, Optional[ast.Module]] = {}
+
+
+_names_cache: dict[types.CodeType, frozenset[str]] = {}
+
+
+def _names_in(code: types.CodeType) -> frozenset[str]:
+    """The names `code`'s stores read: the containers they store into and the values they store."""
+    cached = _names_cache.get(code)
+    if cached is None:
+        cached = _names_cache[code] = frozenset(
+            name for _, container, _, values in _stores_in(code) for name in (container, *values))
+    return cached
 
 
 def _stores_in(code: types.CodeType) -> tuple[_Store, ...]:

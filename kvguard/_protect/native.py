@@ -280,8 +280,8 @@ class NativeSet(ProtectedSet):
 
     # -- placement ---------------------------------------------------------------------
 
-    def _place(self, frames: Optional[list[Any]]) -> None:
-        leaves = self._watcher.placed()
+    def _place(self, frames: Optional[list[Any]], touched: Optional[list[int]] = None) -> None:
+        leaves = self._watcher.placed(touched)
         if leaves is None:
             return self._scan_now(frames)
         added = self._add(leaves, frames) if leaves else None

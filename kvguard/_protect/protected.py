@@ -84,14 +84,15 @@ class ProtectedSet:
         """Protect what was placed since the last look (and forget what died): before any write is judged."""
         if self._dirty:
             self._forget_dead()
-        if self._watcher.changed():  # the hot path: one identity comparison per value, in C
+        touched = self._watcher.touched()  # the hot path: one identity comparison per value, in C
+        if touched:
             frames = list(_frames.user_frames(sys._getframe(1)))
             with collector_paused():
-                self._place(frames)
+                self._place(frames, touched)
 
-    def _place(self, frames: list[Any]) -> None:
+    def _place(self, frames: list[Any], touched: Optional[list[int]] = None) -> None:
         """Protect what was placed into the watched containers that changed (see `Watcher.placed`)."""
-        leaves = self._watcher.placed()
+        leaves = self._watcher.placed(touched)
         if leaves is None:
             return self._scan_now(frames)
         known, new, taken = self._entries, [], set()

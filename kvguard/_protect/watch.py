@@ -77,20 +77,25 @@ class Watcher:
         """Whether a watched container holds other values than at the last look."""
         return any(map(_tree.changed, self.segments))
 
+    def touched(self) -> list[int]:
+        """The segments whose containers hold other values than at the last look (for `placed`)."""
+        return [i for i, snap in enumerate(self.segments) if _tree.changed(snap)]
+
     def keys_changed(self) -> bool:
         """Whether a watched dict's keys changed (a rename moves paths with no placement)."""
         return any(map(_tree.keys_changed, self.segments))
 
-    def placed(self) -> Optional[list[Any]]:
-        """The tensors placed into the containers that changed, walking only what is new; None
-        when only a full walk can tell (`walk_all`).
+    def placed(self, touched: Optional[list[int]] = None) -> Optional[list[Any]]:
+        """The tensors placed into the containers that changed (in the `touched` segments, if
+        known already), walking only what is new; None when only a full walk can tell (`walk_all`).
 
         Costs in proportion to what was placed (and, for a store that is not an append, to
         the size of the container it went into), not to everything watched.
         """
         leaves: list[Any] = []
         grown: list[Any] = []
-        touched = [i for i, snap in enumerate(self.segments) if _tree.changed(snap)]
+        if touched is None:
+            touched = self.touched()
         for target, held in (pair for i in touched for pair in _tree.changed_at(self.segments[i])):
             owner = self.owners.get(id(target))
             diff = _tree.new_children(target, held) if owner is not None and target is owner.obj else None

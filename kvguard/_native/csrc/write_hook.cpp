@@ -86,12 +86,51 @@ namespace {
 using Interval = std::pair<uintptr_t, uintptr_t>;
 using Intervals = std::vector<Interval>;
 
-// What is protected, replaced whole (never changed in place) so that a writing op on any
-// thread reads one consistent snapshot while Python publishes the next.
-struct Protected {
+// Protected memory in one sorted form.
+struct Sorted {
   Intervals intervals;               // sorted, disjoint, non-empty [start, stop) byte ranges
   std::vector<uintptr_t> identities; // sorted TensorImpl addresses (Python's `tensor._cdata`)
+  size_t size() const { return intervals.size() + identities.size(); }
 };
+
+// What is protected, replaced whole (never changed in place) so that a writing op on any
+// thread reads one consistent snapshot while Python publishes the next. The bulk is shared
+// from one publication to the next; what was added since it was last merged sits in a
+// small second part, so that a placement publishes in proportion to what it added, not to
+// everything protected (merged into the bulk once it reaches a sixteenth of it).
+struct Protected {
+  std::shared_ptr<const Sorted> bulk;
+  Sorted recent;
+};
+
+// `into` = `a` and `b` merged (each sorted; intervals coalesced, identities deduplicated).
+void merge_sorted(const Sorted& a, const Sorted& b, Sorted* into) {
+  Intervals all;
+  all.reserve(a.intervals.size() + b.intervals.size());
+  std::merge(a.intervals.begin(), a.intervals.end(), b.intervals.begin(), b.intervals.end(),
+             std::back_inserter(all));
+  into->intervals.clear();
+  for (const Interval& iv : all) {  // coalesce overlapping and touching ranges
+    if (!into->intervals.empty() && iv.first <= into->intervals.back().second) {
+      into->intervals.back().second = std::max(into->intervals.back().second, iv.second);
+    } else {
+      into->intervals.push_back(iv);
+    }
+  }
+  into->identities.clear();
+  std::merge(a.identities.begin(), a.identities.end(), b.identities.begin(), b.identities.end(),
+             std::back_inserter(into->identities));
+  into->identities.erase(std::unique(into->identities.begin(), into->identities.end()), into->identities.end());
+}
+
+// Everything `p` protects, in one sorted form.
+Sorted flatten(const Protected* p) {
+  Sorted out;
+  if (p == nullptr) return out;
+  static const Sorted kEmpty;
+  merge_sorted(p->bulk ? *p->bulk : kEmpty, p->recent, &out);
+  return out;
+}
 
 // ---- process-global state ------------------------------------------------------------
 // Flags are read without the GIL on every writing op; the Python callables are read and
@@ -242,31 +281,43 @@ bool watched_changed() {
 // storage that overlaps a protected interval. Tensors whose memory cannot be read from
 // metadata (no storage, not strided, a data pointer that throws or is null: sparse, meta,
 // fake, wrapper subclasses, empty tensors) always are: Python decides by identity.
-bool is_candidate(const at::Tensor& t, const Protected* protected_) {
-  const Intervals* intervals = protected_ == nullptr ? nullptr : &protected_->intervals;
-  if (protected_ != nullptr && !protected_->identities.empty() &&
-      std::binary_search(protected_->identities.begin(), protected_->identities.end(),
-                         reinterpret_cast<uintptr_t>(t.unsafeGetTensorImpl()))) {
+// Whether `t`'s TensorImpl is one of `sorted`'s identities, or its storage [lo, hi) meets one
+// of its intervals.
+bool meets(const Sorted& sorted, uintptr_t impl, uintptr_t lo, uintptr_t hi) {
+  if (!sorted.identities.empty() &&
+      std::binary_search(sorted.identities.begin(), sorted.identities.end(), impl)) {
     return true;
   }
+  if (hi == 0 || sorted.intervals.empty()) return false;
+  // Intervals are sorted, disjoint and non-empty, so their stops are increasing: the
+  // first interval that ends after `lo` is the only one that can start before `hi`.
+  auto it = std::upper_bound(sorted.intervals.begin(), sorted.intervals.end(), lo,
+                             [](uintptr_t value, const Interval& iv) { return value < iv.second; });
+  return it != sorted.intervals.end() && it->first < hi;
+}
+
+// Whether `t` could be (part of) a protected tensor: one of the protected identities, or
+// storage that overlaps a protected interval. Tensors whose memory cannot be read from
+// metadata (no storage, not strided, a data pointer that throws or is null: sparse, meta,
+// fake, wrapper subclasses, empty tensors) always are: Python decides by identity.
+bool is_candidate(const at::Tensor& t, const Protected* protected_) {
+  const uintptr_t impl = reinterpret_cast<uintptr_t>(t.unsafeGetTensorImpl());
+  uintptr_t lo = 0, hi = 0;  // hi 0: identities only
   try {
     if (!t.has_storage() || t.layout() != c10::kStrided) return true;
     const c10::Storage& storage = t.storage();
     const void* data = storage.data();  // const access: never materializes a COW storage
     if (data == nullptr) return true;
     const size_t nbytes = storage.nbytes();
-    if (intervals == nullptr || intervals->empty() || nbytes == 0) return false;
-    const uintptr_t lo = reinterpret_cast<uintptr_t>(data);
-    const uintptr_t hi = lo + nbytes;
-    // Intervals are sorted, disjoint and non-empty, so their stops are increasing: the
-    // first interval that ends after `lo` is the only one that can start before `hi`.
-    auto it = std::upper_bound(
-        intervals->begin(), intervals->end(), lo,
-        [](uintptr_t value, const Interval& iv) { return value < iv.second; });
-    return it != intervals->end() && it->first < hi;
+    if (nbytes != 0) {
+      lo = reinterpret_cast<uintptr_t>(data);
+      hi = lo + nbytes;
+    }
   } catch (...) {
     return true;
   }
+  if (protected_ == nullptr) return false;
+  return (protected_->bulk && meets(*protected_->bulk, impl, lo, hi)) || meets(protected_->recent, impl, lo, hi);
 }
 
 template <class F>
@@ -935,9 +986,11 @@ PyObject* py_set_intervals(PyObject*, PyObject* arg) {
   KVGUARD_TRY
   Intervals intervals;
   if (!read_pairs(arg, &intervals, "set_intervals", /*sorted=*/true)) return nullptr;
+  auto bulk = std::make_shared<Sorted>();
+  bulk->identities = flatten(std::atomic_load(&g_protected).get()).identities;
+  bulk->intervals = std::move(intervals);
   auto next = std::make_shared<Protected>();
-  if (auto current = std::atomic_load(&g_protected)) next->identities = current->identities;
-  next->intervals = std::move(intervals);
+  next->bulk = std::move(bulk);
   publish(std::move(next));
   Py_RETURN_NONE;
   KVGUARD_CATCH
@@ -986,23 +1039,22 @@ PyObject* py_add_protected(PyObject*, PyObject* args) {
   }
   std::sort(added.begin(), added.end());
   std::sort(more.begin(), more.end());
-  auto next = std::make_shared<Protected>();
+  Sorted fresh;
+  merge_sorted(Sorted{std::move(added), std::move(more)}, Sorted(), &fresh);  // coalesced, deduplicated
   auto current = replace ? std::shared_ptr<const Protected>() : std::atomic_load(&g_protected);
-  Intervals all;
-  all.reserve(added.size() + (current ? current->intervals.size() : 0));
-  std::merge(current ? current->intervals.begin() : added.end(), current ? current->intervals.end() : added.end(),
-             added.begin(), added.end(), std::back_inserter(all));
-  for (const Interval& iv : all) {  // coalesce overlapping and touching ranges
-    if (!next->intervals.empty() && iv.first <= next->intervals.back().second) {
-      next->intervals.back().second = std::max(next->intervals.back().second, iv.second);
-    } else {
-      next->intervals.push_back(iv);
-    }
+  auto next = std::make_shared<Protected>();
+  static const Sorted kEmpty;
+  const Sorted& bulk = current && current->bulk ? *current->bulk : kEmpty;
+  if (current && current->recent.size() + fresh.size() <= 64 + bulk.size() / 16) {
+    next->bulk = current->bulk;  // shared: this publication copies only the recent part
+    merge_sorted(current->recent, fresh, &next->recent);
+  } else {
+    auto merged = std::make_shared<Sorted>();
+    Sorted pending;
+    merge_sorted(current ? current->recent : kEmpty, fresh, &pending);
+    merge_sorted(bulk, pending, merged.get());
+    next->bulk = std::move(merged);
   }
-  std::merge(current ? current->identities.begin() : more.end(), current ? current->identities.end() : more.end(),
-             more.begin(), more.end(), std::back_inserter(next->identities));
-  next->identities.erase(std::unique(next->identities.begin(), next->identities.end()),
-                         next->identities.end());
   publish(std::move(next));
   Py_RETURN_NONE;
   KVGUARD_CATCH
@@ -1014,9 +1066,11 @@ PyObject* py_set_identities(PyObject*, PyObject* arg) {
   if (!read_addresses(arg, &identities, "set_identities")) return nullptr;
   std::sort(identities.begin(), identities.end());
   identities.erase(std::unique(identities.begin(), identities.end()), identities.end());
+  auto bulk = std::make_shared<Sorted>();
+  bulk->intervals = flatten(std::atomic_load(&g_protected).get()).intervals;
+  bulk->identities = std::move(identities);
   auto next = std::make_shared<Protected>();
-  if (auto current = std::atomic_load(&g_protected)) next->intervals = current->intervals;
-  next->identities = std::move(identities);
+  next->bulk = std::move(bulk);
   publish(std::move(next));
   Py_RETURN_NONE;
   KVGUARD_CATCH
