@@ -176,6 +176,7 @@ struct TableData {
     std::inplace_merge(all.begin(), all.begin() + (std::ptrdiff_t)middle, all.end(), by_start);
     sorted = std::move(all);
     recent.clear();
+    if (recent.capacity() > 1024) std::vector<IndexSpan>().swap(recent);  // a large batch's room: given back
     reach.resize(sorted.size());
     uintptr_t most = 0;
     for (size_t i = 0; i < sorted.size(); ++i) reach[i] = most = std::max(most, sorted[i].stop);

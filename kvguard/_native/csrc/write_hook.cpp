@@ -110,6 +110,7 @@ void merge_sorted(const Sorted& a, const Sorted& b, Sorted* into) {
   std::merge(a.intervals.begin(), a.intervals.end(), b.intervals.begin(), b.intervals.end(),
              std::back_inserter(all));
   into->intervals.clear();
+  into->intervals.reserve(all.size());
   for (const Interval& iv : all) {  // coalesce overlapping and touching ranges
     if (!into->intervals.empty() && iv.first <= into->intervals.back().second) {
       into->intervals.back().second = std::max(into->intervals.back().second, iv.second);
@@ -118,6 +119,7 @@ void merge_sorted(const Sorted& a, const Sorted& b, Sorted* into) {
     }
   }
   into->identities.clear();
+  into->identities.reserve(a.identities.size() + b.identities.size());
   std::merge(a.identities.begin(), a.identities.end(), b.identities.begin(), b.identities.end(),
              std::back_inserter(into->identities));
   into->identities.erase(std::unique(into->identities.begin(), into->identities.end()), into->identities.end());
