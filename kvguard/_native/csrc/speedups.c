@@ -71,6 +71,27 @@ same_values(PyObject *self, PyObject *args)
     return PyBool_FromLong(same);
 }
 
+/* A copy of `lst`'s storage (no __iter__ of a subclass runs, so user code cannot change it
+ * under us) when every item is an instance of `tensor_type`; a new reference to None when
+ * one is not; NULL with an exception set. */
+static PyObject *
+tensors_copy(PyObject *lst, PyObject *tensor_type)
+{
+    PyObject *items = PyList_GetSlice(lst, 0, PY_SSIZE_T_MAX);
+    if (items == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        int is = PyObject_IsInstance(PyList_GET_ITEM(items, i), tensor_type);
+        if (is <= 0) {
+            Py_DECREF(items);
+            if (is < 0)
+                return NULL;
+            Py_RETURN_NONE;
+        }
+    }
+    return items;
+}
+
 /* list_leaves(lst, path, chain, tensor_type, leaf_type) -> list | None
  *   The leaves of a list whose items are all instances of `tensor_type` (a per-sample
  *   list of tensors): `leaf_type((f"{path}[{i}]", item, chain + ((lst, i),)))` for each,
@@ -87,20 +108,10 @@ list_leaves(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "list_leaves(): leaf_type must be a tuple subclass");
         return NULL;
     }
-    /* A copy of its storage (no __iter__ of a subclass runs): user code cannot change it under us. */
-    PyObject *items = PyList_GetSlice(lst, 0, PY_SSIZE_T_MAX);
-    if (items == NULL)
-        return NULL;
+    PyObject *items = tensors_copy(lst, tensor_type);
+    if (items == NULL || items == Py_None)
+        return items;
     Py_ssize_t n = PyList_GET_SIZE(items), depth = PyTuple_GET_SIZE(chain);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int is = PyObject_IsInstance(PyList_GET_ITEM(items, i), tensor_type);
-        if (is <= 0) {
-            Py_DECREF(items);
-            if (is < 0)
-                return NULL;
-            Py_RETURN_NONE;
-        }
-    }
     PyObject *out = PyList_New(n);
     if (out == NULL)
         goto fail;
@@ -143,19 +154,7 @@ list_tensors(PyObject *self, PyObject *args)
     PyObject *lst, *tensor_type;
     if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &lst, &tensor_type))
         return NULL;
-    PyObject *items = PyList_GetSlice(lst, 0, PY_SSIZE_T_MAX);
-    if (items == NULL)
-        return NULL;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
-        int is = PyObject_IsInstance(PyList_GET_ITEM(items, i), tensor_type);
-        if (is <= 0) {
-            Py_DECREF(items);
-            if (is < 0)
-                return NULL;
-            Py_RETURN_NONE;
-        }
-    }
-    return items;
+    return tensors_copy(lst, tensor_type);
 }
 
 /* The capsule's contents: a version and the check (the GIL held, `containers` and `held` tuples). */
