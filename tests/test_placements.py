@@ -321,12 +321,12 @@ def test_a_placement_reads_each_caller_frame_once_however_many_tensors_it_brings
     from kvguard._protect import frames as _frames
 
     reads: list[str] = []
-    real = _frames.frame_namespace
+    real = _frames.frame_names  # what the search reads a frame with
 
-    def counted(frame: Any) -> dict[str, Any]:
+    def counted(frame: Any, names: Any) -> dict[str, Any]:
         reads.append(frame.f_code.co_name)
-        return real(frame)
-    monkeypatch.setattr(_frames, "frame_namespace", counted)
+        return real(frame, names)
+    monkeypatch.setattr(_frames, "frame_names", counted)
 
     def place(rd: dict[str, Any], depth: int) -> None:
         logs: list[int] = []

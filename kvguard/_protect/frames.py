@@ -190,10 +190,15 @@ def frame_namespace(frame: types.FrameType) -> dict[str, Any]:
     """
     local = frame.f_locals
     namespace = {**frame.f_globals, **local}
-    # Held by the frame, by `local` and by getrefcount's argument: nobody else sees it.
-    if _LOCALS_SNAPSHOT and frame.f_code.co_flags & inspect.CO_OPTIMIZED and sys.getrefcount(local) <= 3:
-        local.clear()
+    _unpin_locals(frame, local)
     return namespace
+
+
+def _unpin_locals(frame: types.FrameType, local: dict[str, Any]) -> None:
+    """Empty the frame's snapshot of its locals (`frame_namespace`) when only we hold it."""
+    # Held by the frame, by `local`, by this call and by getrefcount's argument: nobody else sees it.
+    if _LOCALS_SNAPSHOT and frame.f_code.co_flags & inspect.CO_OPTIMIZED and sys.getrefcount(local) <= 4:
+        local.clear()
 
 
 def frame_names(frame: types.FrameType, names: Collection[str]) -> dict[str, Any]:
@@ -204,8 +209,7 @@ def frame_names(frame: types.FrameType, names: Collection[str]) -> dict[str, Any
     if len(found) < len(names):
         globals_ = frame.f_globals
         found.update((name, globals_[name]) for name in names if name not in found and name in globals_)
-    if _LOCALS_SNAPSHOT and frame.f_code.co_flags & inspect.CO_OPTIMIZED and sys.getrefcount(local) <= 3:
-        local.clear()  # see frame_namespace
+    _unpin_locals(frame, local)
     return found
 
 

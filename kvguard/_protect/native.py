@@ -34,8 +34,8 @@ from kvguard._protect.protected import ProtectedSet
 from kvguard._protect.records import DIGEST
 from kvguard._protect.watch import Watcher
 
-# The table's row flags (kvguard/_native/csrc/table.h).
-DENSE, INFERENCE, HOST_DIGEST, EXPLAINED, PYTHON, PY_DIGEST, GONE = 1, 2, 4, 8, 16, 32, 64
+# The table's row flags that Python reads (RowFlag in kvguard/_native/csrc/table.h).
+EXPLAINED, PYTHON = 8, 16
 _SWEEP_EVERY = 1024  # rows added since the last sweep, beyond the live ones then, before the next
 
 
@@ -54,6 +54,15 @@ def _tensors(found: list[Any]) -> list[Any]:
         else:
             tensors.append(item.tensor)
     return tensors
+
+
+def _new_only(found: list[Any], again: list[tuple[int, int]]) -> list[Any]:
+    """A walk's leaves and runs less the tensors `Table.add` found protected already (`again`:
+    their positions among the tensors), spelled out as leaves where there are any."""
+    if not again:
+        return found
+    taken = {position for position, _ in again}
+    return [leaf for i, leaf in enumerate(_tree.leaves_of(found)) if i not in taken]
 
 
 class RowEntry(Entry):
@@ -81,7 +90,14 @@ class RowEntry(Entry):
 
     @record.setter
     def record(self, value: _records.Record) -> None:
-        raise AttributeError("a row's record is read from its tensor by the table (NativeSet._follow)")
+        """Follow the tensor to its memory now: a Python-kept row keeps `value`; the table reads
+        any other row's again from its tensor (what `value` was read from)."""
+        owner = self._owner
+        if self.row in owner._py_records:
+            owner._py_records[self.row] = value
+            owner._py_memory.invalidate()
+        else:
+            owner._table.refresh([self.row], False)
 
     @property
     def digest(self) -> _digest.Digest:
@@ -130,7 +146,6 @@ class NativeSet(ProtectedSet):
         if module is None:
             raise RuntimeError("the compiled extension is not loaded")
         self._table = module.Table(_torch.PLAIN, fingerprint)
-        self._module = module
         self._paths: list[Any] = []  # per row: its path, or (prefix, first row) for a run's rows (`_path`)
         self._placed: list[Optional[str]] = []  # per row: where it was placed (None: there at entry)
         self._made: dict[int, RowEntry] = {}  # rows a hit or a report asked for
@@ -169,17 +184,11 @@ class NativeSet(ProtectedSet):
         row = self._table.row_of(tensor)
         return self._entry(row) if row >= 0 else None
 
-    def tensor_of(self, entry: Entry) -> Optional[torch.Tensor]:
-        return entry.ref()
-
     def _add(self, found: list[Any], frames: Optional[list[Any]]) -> Any:
         """Protect newly reached tensors (a walk's leaves and runs) in one C++ call; returns what
         the hook must learn."""
         first, again, python = self._table.add(_tensors(found))
-        if again:
-            taken = {position for position, _ in again}
-            found = [leaf for i, leaf in enumerate(_tree.leaves_of(found)) if i not in taken]
-        return self._took(first, found, python, frames)
+        return self._took(first, _new_only(found, again), python, frames)
 
     def _took(self, first: int, found: list[Any], python: list[int], frames: Optional[list[Any]]) -> Any:
         """Rows from `first` on were made for `found` (leaves and runs, every tensor new): keep
@@ -302,9 +311,7 @@ class NativeSet(ProtectedSet):
             leaves = _tree.leaves_of(leaves)
             for position, row in again:
                 walked.setdefault(row, []).append(leaves[position].path)
-            taken = {position for position, _ in again}
-            leaves = [leaf for i, leaf in enumerate(leaves) if i not in taken]
-        self._took(first, leaves, python, frames)
+        self._took(first, _new_only(leaves, again), python, frames)
         self._walk = (first, walked)
         self._applied = set()
         del leaves
@@ -332,12 +339,6 @@ class NativeSet(ProtectedSet):
                     entry.path = self._paths[row] = paths[0]
                 entry.aliases = tuple(p for p in paths if p != entry.path)
 
-    def _forget_dead(self) -> None:
-        self._dirty = False
-
-    def _drop_dead(self) -> bool:
-        return False
-
     # -- what the hook learns -----------------------------------------------------------
 
     def publish(self, backend: Any, added: Any, replace: bool) -> bool:
@@ -351,8 +352,7 @@ class NativeSet(ProtectedSet):
         python = list(self._py_entries()) if added is None else added.python
         if python:
             records = [e.record for e in python]
-            backend.add_protected(_records.intervals(records),
-                                  [i for r in records if (i := r[_records.IMPL]) is not None])
+            backend.add_protected(_records.intervals(records), _records.impls(records))
         return self._identity_rows
 
     def _py_entries(self) -> list[RowEntry]:
@@ -364,7 +364,7 @@ class NativeSet(ProtectedSet):
 
     def identities(self) -> list[int]:
         found: list[int] = self._table.publication(0)[1]
-        return found + [i for e in self._py_entries() if (i := e.record[_records.IMPL]) is not None]
+        return found + _records.impls(e.record for e in self._py_entries())
 
     def holds_inference(self, added: Any = None) -> bool:
         first = 0 if added is None else added.first
@@ -383,14 +383,10 @@ class NativeSet(ProtectedSet):
         own: list[Entry] = [self._entry(row) for t in written if (row := table.row_of(t)) >= 0]
         if own:
             self._follow(own)
-        if kind == "write" and not self._may_touch(written):
-            if table.met_dead():  # memory of a tensor that died, maybe another's now: the hook forgets it
-                self._sweep()
-                self._rebuild_index()
-            return []
         found: list[Entry] = []
-        for tensor in written:
-            found += [e for e in self.hits(tensor, kind, resizes) if e not in found]
+        if kind != "write" or self._may_touch(written):
+            for tensor in written:
+                found += [e for e in self.hits(tensor, kind, resizes) if e not in found]
         if table.met_dead():  # memory of a tensor that died, maybe another's now: the hook forgets it
             self._sweep()
             self._rebuild_index()
@@ -438,30 +434,15 @@ class NativeSet(ProtectedSet):
         return found
 
     def _follow(self, entries: list[Entry]) -> bool:
-        rows = [e.row for e in entries if isinstance(e, RowEntry)]
-        native = [r for r in rows if r not in self._py_records]
+        """`ProtectedSet._follow`, the table's rows read again in one C++ pass."""
+        native = [e.row for e in entries if isinstance(e, RowEntry) and e.row not in self._py_records]
+        python = [e for e in entries if not isinstance(e, RowEntry) or e.row in self._py_records]
         moved = bool(native) and bool(self._table.refresh(native, False)[1])
-        python = [e for e in entries if isinstance(e, RowEntry) and e.row in self._py_records]
-        live = [(e, t) for e in python if (t := e.ref()) is not None]
-        for (entry, _), record in zip(live, self._records_of([t for _, t in live], digest=False)):
-            if record[_records.LAYOUT] != entry.record[_records.LAYOUT]:
-                self._py_records[entry.row] = record
-                moved = True
+        if python and super()._follow(python):  # told the hook already
+            return True
         if moved:
-            self._py_memory.invalidate()
             self._rebuild_index()
         return moved
-
-    def relayout(self, entry: Entry) -> None:
-        if isinstance(entry, RowEntry):
-            if entry.row in self._py_records:
-                tensor = entry.ref()
-                if tensor is not None:
-                    self._py_records[entry.row] = self._records_of([tensor], digest=False)[0]
-                    self._py_memory.invalidate()
-            else:
-                self._table.refresh([entry.row], False)
-            self._rebuild_index()
 
     def release(self, tensors: tuple[torch.Tensor, ...]) -> Callable[[], None]:
         """Drop the table's weak references to `tensors` for a moment (`torch.utils.swap_tensors`
@@ -525,32 +506,14 @@ class NativeSet(ProtectedSet):
             if not self._fingerprint or old[DIGEST] is None and row not in self._py_digests:
                 found.append(Change(self._entry(row), tensor, "memory", _records.layout_text(old),
                                     _records.tensor_text(tensor)))
-        found += self._python_changes([r for r in python if r in self._py_records or r in self._py_digests])
-        if moved:
+        # The rows whose record or digest Python keeps: `ProtectedSet`'s comparison.
+        live: list[tuple[Entry, torch.Tensor]] = [
+            (self._entry(r), t) for r in python
+            if (r in self._py_records or r in self._py_digests) and (t := table.tensor(r)) is not None]
+        more, python_moved = self._compare(live) if live else ([], False)
+        if moved or python_moved:
             self._rebuild_index()
-        return found
-
-    def _python_changes(self, rows: list[int]) -> list[Change]:
-        """`ProtectedSet`'s boundary comparison, for the rows whose record or digest Python keeps."""
-        live = [(self._entry(r), t) for r in rows if (t := self._table.tensor(r)) is not None]
-        if not live:
-            return []
-        records = self._records_of([t for _, t in live])
-        agrees = _digest.same_all([e.digest for e, _ in live], [r[DIGEST] for r in records])
-        found = []
-        for (entry, tensor), record, same in zip(live, records, agrees):
-            digest = record[DIGEST]
-            if not entry.explained and not same:
-                found.append(Change(entry, tensor, "values", entry.digest, digest))
-            row = entry.row
-            if row in self._py_records and record[_records.LAYOUT] != self._py_records[row][_records.LAYOUT]:
-                if same and (entry.digest is None or digest is None):
-                    found.append(Change(entry, tensor, "memory", _records.layout_text(self._py_records[row]),
-                                        _records.tensor_text(tensor)))
-                self._py_records[row] = record
-                self._py_memory.invalidate()
-            entry.digest, entry.explained = digest, False
-        return found
+        return found + more
 
     def boundary_changes(self, caller: Any, rescan: bool = True) -> list[Change]:
         """`ProtectedSet.boundary_changes`; without `rescan` (the exit), a look at the containers
@@ -568,10 +531,6 @@ class NativeSet(ProtectedSet):
         self._sweep()
         return found
 
-    def drifted(self, entries: list[Entry]) -> list[Entry]:
-        if not self._fingerprint:
-            return []
-        return super().drifted(entries)
 
     # -- exit ----------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from kvguard._protect import tree as _tree
 from kvguard._protect.collector import collector_paused
 from kvguard._protect.entries import Change, Entry, StrongRef
 from kvguard._protect.index import MemoryIndex
-from kvguard._protect.records import DIGEST, IMPL, LAYOUT
+from kvguard._protect.records import DIGEST, LAYOUT
 from kvguard._protect.watch import Watcher
 
 
@@ -174,15 +174,17 @@ class ProtectedSet:
         """Tell a write-hook backend the protected memory: all of it, or what `added` brought
         (merged into what it has unless `replace`). Returns whether some of it has no
         readable memory, so that every write must be looked at."""
-        records = [e.record for e in (self._entries.values() if added is None else added)]
-        backend.add_protected(_records.intervals(records),
-                              [i for r in records if (i := r[IMPL]) is not None], replace)
+        if added is None:  # through intervals(): a weights set leaves out what its optimizer step writes
+            backend.add_protected(self.intervals(), self.identities(), replace)
+            return self.by_identity
+        records = [e.record for e in added]
+        backend.add_protected(_records.intervals(records), _records.impls(records), replace)
         return not all(map(_records.has_memory, records))
 
     def identities(self) -> list[int]:
         """The TensorImpl addresses of the protected tensors: a write to one of them is looked at
         wherever its memory is now (`w.data = x` re-points it without any op)."""
-        return [impl for e in self._entries.values() if (impl := e.record[IMPL]) is not None]
+        return _records.impls(e.record for e in self._entries.values())
 
     @property
     def by_identity(self) -> bool:
@@ -317,7 +319,14 @@ class ProtectedSet:
         return found
 
     def _changes_now(self) -> list[Change]:
-        live = [(e, t) for e in list(self._entries.values()) if (t := e.ref()) is not None]
+        found, moved = self._compare([(e, t) for e in list(self._entries.values()) if (t := e.ref()) is not None])
+        if moved:
+            self._rebuild_index()
+        return found
+
+    def _compare(self, live: list[tuple[Entry, torch.Tensor]]) -> tuple[list[Change], bool]:
+        """What changed in each (entry, its live tensor) since its digest, each entry then following
+        its tensor; and whether any moved (the caller tells the hook)."""
         records = self._records_of([t for _, t in live])
         agrees = _digest.same_all([e.digest for e, _ in live], [r[DIGEST] for r in records])
         found = []
@@ -332,9 +341,7 @@ class ProtectedSet:
                                         _records.tensor_text(tensor)))
                 entry.record, moved = record, True  # follow it to its memory now
             entry.digest, entry.explained = digest, False
-        if moved:
-            self._rebuild_index()
-        return found
+        return found, moved
 
     def _on_death(self, _: Any) -> None:
         # The memory may be reused by a new tensor; forget it before the next write.

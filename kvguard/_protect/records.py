@@ -90,6 +90,11 @@ def intervals(records: Iterable[Record]) -> list[tuple[int, int]]:
     return found
 
 
+def impls(records: Iterable[Record]) -> list[int]:
+    """The TensorImpl addresses of the records' tensors (those that have one)."""
+    return [impl for record in records if (impl := record[IMPL]) is not None]
+
+
 def holds_inference(records: Iterable[Record]) -> bool:
     """Whether one of the records' tensors is an inference tensor."""
     return any(record[INFERENCE] for record in records)
