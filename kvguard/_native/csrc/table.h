@@ -209,10 +209,8 @@ struct TableData {
 
   void forget(size_t r) {
     if (flags[r] & kGone) return;
-    flags[r] |= kGone;
     row_of.erase(impl[r]._unsafe_get_target(), (int32_t)r);
-    impl[r] = WeakImpl(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>());
-    --live;
+    forget_dead(r);
   }
 
   // A dead row whose address a new row takes over (the map already points at the new one).
