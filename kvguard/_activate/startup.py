@@ -125,9 +125,11 @@ def _print_summary() -> None:
     torch_here = "torch" in sys.modules  # not: a launcher's helper (multiprocessing's resource tracker)
     if settings.autograd and torch_here and not PROCESS.tally.counted("autograd"):
         say(f"{tag}: autograd: the guard never started here, so nothing was saved for backward")
-    if settings.weights and torch_here and not PROCESS.tally.counted("weights"):
-        say(f"{tag}: weights: no optimizer was made and no module loaded a state dict here, so no weight was "
-            "watched")
+    if settings.weights and torch_here:
+        from kvguard._activate import weights as _weights
+
+        for line in _weights.exit_lines(tag, PROCESS.tally.counted("weights")):
+            say(line)
     for line in diagnostics(STATE, PROCESS, any(isinstance(x, ReportWriter) for x in PROCESS.listeners)):
         say(line)
 

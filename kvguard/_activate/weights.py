@@ -11,25 +11,36 @@ Two ways in, wrapped once torch loads:
   are named in `KVGUARD_ALLOW` (`module:qualname`).
 
 The first of them enters one weights guard for the process (on that thread); it is left
-at exit, before the summary.
+at exit, before the summary. A failure to watch is never silent: it is said on the
+process's own stderr (a test runner's capture does not hide it) and in the exit line.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
-from typing import Any
+from typing import Any, Optional
 
 from kvguard._state import STATE
-from kvguard._text import say
+from kvguard._text import plural, say
 
 _FRAMES = 12  # caller frames searched for the modules that hold an optimizer's parameters
+_unwatched: list[str] = []  # what could not be watched, for the exit line: `SGD made at train.py:5`
+_stderr_fd: Optional[int] = None  # the process's stderr as it was at start-up (before any capture)
 
 
 def install(settings: Any) -> None:
     """Wrap `torch.optim.Optimizer.__init__` when torch is imported (now, if it is already)."""
     import wrapt
+
+    global _stderr_fd
+    if _stderr_fd is None:
+        try:
+            _stderr_fd = os.dup(2)
+        except OSError:
+            pass
 
     def patch(torch: Any) -> None:
         optimizer_class = torch.optim.Optimizer
@@ -43,7 +54,7 @@ def install(settings: Any) -> None:
             try:
                 _register(self, settings, sys._getframe(1))
             except Exception as exc:  # noqa: BLE001 - a debug switch must not kill the job
-                say(f"kvguard: KVGUARD_TARGETS=weights cannot watch {type(self).__name__}: {exc}")
+                _cannot_watch(self, exc)
 
         __init__._kvguard_weights = True  # type: ignore[attr-defined]
         optimizer_class.__init__ = __init__
@@ -71,7 +82,7 @@ def _patch_loads(module_class: Any, settings: Any) -> None:
             try:
                 _guard(settings).add_modules([(_name_of(self, sys._getframe(1)), self)])
             except Exception as exc:  # noqa: BLE001 - a debug switch must not kill the job
-                say(f"kvguard: KVGUARD_TARGETS=weights cannot watch {type(self).__name__}: {exc}")
+                _cannot_watch(self, exc)
         return result
 
     module_class.load_state_dict = load_state_dict
@@ -98,19 +109,115 @@ def _register(optimizer: Any, settings: Any, frame: Any) -> None:
 
 
 def _candidates(frame: Any) -> list[tuple[str, Any]]:
-    """(name, module) of the modules in the user's frames from `frame` up, as the code names them."""
+    """(name, module) of the modules in the user's frames from `frame` up, as the code names them.
+
+    A frame that cannot be read is passed over, never the end of the search: pytest's
+    frames (pluggy's `HookCaller`) and any `__slots__` class have a `self` without `__dict__`.
+    """
     import torch
 
     from kvguard._protect.frames import frame_namespace, user_frames
 
     found: list[tuple[str, Any]] = []
     for _, user in zip(range(_FRAMES), user_frames(frame)):
-        for name, value in frame_namespace(user).items():
-            if isinstance(value, torch.nn.Module):
-                found.append((name, value))
-            elif name == "self" and not isinstance(value, torch.optim.Optimizer):
-                found += [(f"self.{k}", v) for k, v in vars(value).items() if isinstance(v, torch.nn.Module)]
+        try:
+            namespace = frame_namespace(user)
+        except Exception:  # noqa: BLE001 - a frame we cannot read names nothing
+            continue
+        for name, value in namespace.items():
+            try:  # `isinstance` reads `__class__` through the object's own `__getattribute__`
+                if isinstance(value, torch.nn.Module):
+                    found.append((name, value))
+                elif name == "self" and not isinstance(value, torch.optim.Optimizer):
+                    found += [(f"self.{k}", v) for k, v in _attributes(value) if _is_module(v)]
+            except Exception:  # noqa: BLE001 - an object that refuses to be looked at holds nothing we name
+                continue
     return found
+
+
+def _is_module(value: Any) -> bool:
+    import torch
+
+    try:
+        return isinstance(value, torch.nn.Module)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _attributes(obj: Any) -> list[tuple[str, Any]]:
+    """`obj`'s own attributes: its `__dict__` and its `__slots__`; what cannot be read is left out."""
+    found: list[tuple[str, Any]] = []
+    try:
+        own = object.__getattribute__(obj, "__dict__")
+        found += list(own.items()) if isinstance(own, dict) else []
+    except Exception:  # noqa: BLE001 - no `__dict__` (slots only), or one that refuses to be read
+        pass
+    try:
+        mro = type(obj).__mro__
+    except Exception:  # noqa: BLE001
+        return found
+    for cls in mro:
+        slots = cls.__dict__.get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot in ("__dict__", "__weakref__"):
+                continue
+            try:
+                found.append((slot, getattr(obj, slot)))
+            except Exception:  # noqa: BLE001 - an empty slot, or a name-mangled one
+                continue
+    return found
+
+
+def _cannot_watch(obj: Any, exc: BaseException) -> None:
+    """An optimizer or a loaded module kvguard failed to watch: said now where no capture hides
+    it (the process's own stderr, as at start-up), and again in the exit line."""
+    from kvguard._protect.frames import user_site
+
+    try:
+        where = f" made at {user_site().short}"
+    except Exception:  # noqa: BLE001
+        where = ""
+    what = f"{type(obj).__name__}{where}"
+    _unwatched.append(what)
+    loud(f"kvguard: KVGUARD_TARGETS=weights cannot watch {what} ({type(exc).__name__}: {exc}); "
+         "its weights are not protected")
+
+
+def loud(line: str) -> None:
+    """Say `line` on stderr, and on the process's own stderr too when something captures it now
+    (pytest's capture replaces `sys.stderr` and fd 2), so that it cannot disappear."""
+    say(line)
+    fd = _stderr_fd
+    if fd is None or not _captured(fd):
+        return
+    try:
+        os.write(fd, (line.rstrip("\n") + "\n").encode("utf-8", "replace"))
+    except OSError:
+        pass
+
+
+def _captured(fd: int) -> bool:
+    """Whether `sys.stderr` writes somewhere other than `fd` (the stderr the process started with)."""
+    try:
+        now = os.fstat(sys.stderr.fileno())
+        then = os.fstat(fd)
+    except Exception:  # noqa: BLE001 - no file descriptor at all: an in-memory capture
+        return True
+    return (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino)
+
+
+def exit_lines(tag: str, watched: bool) -> list[str]:
+    """The exit lines about what could not be watched, or that nothing was (`watched`: whether the
+    weights guard counted anything)."""
+    lines = []
+    if _unwatched:
+        shown = ", ".join(_unwatched[:4]) + (f" … (+{len(_unwatched) - 4})" if len(_unwatched) > 4 else "")
+        lines.append(f"{tag}: weights: {plural(len(_unwatched), 'optimizer or module', 'optimizers or modules')} "
+                     f"could not be watched, so their weights were not protected: {shown}")
+    elif not watched:
+        lines.append(f"{tag}: weights: no optimizer was made and no module loaded a state dict here, so no "
+                     "weight was watched")
+    return lines
 
 
 def _name_of(module: Any, frame: Any) -> str:

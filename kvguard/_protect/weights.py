@@ -223,11 +223,12 @@ class ModuleSet(ProtectedSet):
         while frame is not None and len(intended) < len(hit):
             code = frame.f_code
             if code.co_argcount and code.co_varnames[0] == "self":
+                # `type()`, never `isinstance`: a `self` may refuse every attribute read (`__class__`)
                 owner = frame.f_locals.get("self")
                 name = code.co_name
                 if id(owner) in modules and name in _LOADING:
                     return hit  # load_state_dict of a guarded module: every write is its own
-                if isinstance(owner, DistributedDataParallel) and id(owner.module) in modules:
+                if issubclass(type(owner), DistributedDataParallel) and id(owner.module) in modules:
                     return hit  # DDP's broadcast of the module's buffers and parameters
                 if name == "forward" and owner is not None:
                     intended += [e for e in hit if e not in intended and owners.get(id(e)) is owner]
