@@ -701,6 +701,51 @@ _apply_original: Any = None
 
 
 def on_module_conversion(listener: Callable[[Any], None]) -> Callable[[], None]:
+# `t.data = other` dispatches nothing either (it swaps the TensorImpl's storage and
+# metadata in C). While a guard is active, `torch.Tensor.data` is a property whose setter
+# tells the listeners first; its getter is torch's own. Removed with the last listener.
+
+DataListener = Callable[[torch.Tensor], Callable[[bool], None]]  # after(assigned)
+_data_listeners: list[DataListener] = []
+_DATA = torch._C.TensorBase.__dict__["data"]  # the C getset descriptor every tensor class inherits
+DATA_OP = "Tensor.data assignment"
+
+
+def on_data_assignment(listener: DataListener) -> Callable[[], None]:
+    """Call `listener(t)` before every `t.data = ...`; it returns what to run after. Returns the undo."""
+    if not _data_listeners:
+        torch.Tensor.data = _DATA_PROPERTY  # type: ignore[assignment]
+    _data_listeners.append(listener)
+
+    def remove() -> None:
+        if listener in _data_listeners:
+            _data_listeners.remove(listener)
+        if not _data_listeners and torch.Tensor.__dict__.get("data") is _DATA_PROPERTY:
+            del torch.Tensor.data
+    return remove
+
+
+def _set_data(self: torch.Tensor, value: torch.Tensor) -> None:
+    afters: list[Callable[[bool], None]] = []
+    assigned = False
+    try:
+        for listener in list(_data_listeners):
+            afters.append(listener(self))
+        _DATA.__set__(self, value)
+        assigned = True
+    finally:
+        for after in reversed(afters):
+            after(assigned)
+
+
+_DATA_PROPERTY = property(_DATA.__get__, _set_data, doc=_DATA.__doc__)
+
+
+def data_is_watched() -> bool:
+    """Whether `t.data = ...` is seen now (a guard at level "full" is active)."""
+    return torch.Tensor.__dict__.get("data") is _DATA_PROPERTY
+
+
     """Call `listener(module)` after each outermost `Module._apply` (`to`, `half`, `float`, `cpu`,
     `cuda`...): it re-points parameters with `p.data = ...`, which no dispatched op shows.
     Returns the undo."""

@@ -678,30 +678,41 @@ def test_channel_record_lets_the_write_land(row: Row, tmp_path: Path, capsys: An
 
 
 # --------------------------------------------------------------------------------------------
-# row 15 (`k.data = other`) dispatches nothing: only the exit check sees it
+# row 15 (`k.data = other`) dispatches nothing: while a guard is active, `Tensor.data` is a
+# property that tells the guard first, so it is reported at its line like `set_`.
 
 
 def _set_data(c: Ctx) -> None:
-    c["k"].data = torch.zeros(5)
+    c["k"].data = torch.zeros(5)  # WRITE
 
 
-def test_exit_check_reports_unobserved_repoint_in_record_mode() -> None:
+def test_data_assignment_is_reported_at_its_line_in_record_mode() -> None:
     ctx = _plain()
     with kvguard.guard(ctx["rd"], name="rd", action="record") as g:
         _set_data(ctx)
     assert not g.report.ok
-    assert [(e.path, e.kind) for e in g.report.events] == [("rd['k']", "unobserved")]
-    assert g.report.events[0].blocked is False
+    (ev,) = g.report.events
+    assert (ev.path, ev.op, ev.kind, ev.blocked) == ("rd['k']", "Tensor.data assignment", "repoint", False)
+    assert ev.code == 'c["k"].data = torch.zeros(5)  # WRITE'
+    assert torch.equal(ctx["k"], torch.zeros(5))
 
 
-def test_exit_check_raises_at_exit_in_raise_mode() -> None:
+def test_data_assignment_is_blocked_in_raise_mode() -> None:
     ctx = _plain()
+    snap = ctx["k"].clone()
     with pytest.raises(kvguard.MutationError) as excinfo:
         with kvguard.guard(ctx["rd"], name="rd", action="raise"):
             _set_data(ctx)
-    assert excinfo.value.event.kind == "unobserved"
-    assert excinfo.value.event.path == "rd['k']"
+    assert (excinfo.value.event.kind, excinfo.value.event.path) == ("repoint", "rd['k']")
+    assert excinfo.value.event.blocked and torch.equal(ctx["k"], snap)
     assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_data_assignment_at_the_light_level_is_found_at_exit() -> None:
+    ctx = _plain()
+    with kvguard.guard(ctx["rd"], name="rd", action="record", level="light") as g:
+        _set_data(ctx)
+    assert [(e.path, e.kind) for e in g.report.events] == [("rd['k']", "unobserved")]
 
 
 # row 25: `torch.utils.swap_tensors` dispatches nothing either, and refuses tensors with weak
@@ -747,7 +758,7 @@ def test_exit_check_does_not_mask_the_blocks_own_exception() -> None:
 
     with pytest.raises(Boom):
         with kvguard.guard(ctx["rd"], name="rd", action="raise") as g:
-            _set_data(ctx)
+            ctx["k"].numpy()[0] = 5.0  # dispatches nothing: the exit check finds it
             raise Boom()
     assert [e.kind for e in g.report.events] == ["unobserved"]
 

@@ -108,8 +108,9 @@ def test_megatron_bridge_norm_mapping_repoints_the_source_weight(engine: str) ->
         with kvguard.guard_module(source, name="source", action="raise"):
             convert_norm(source[1].weight, target[1].weight)
     event = info.value.event
-    assert event.path == "source.1.weight" and event.kind == "unobserved"
-    assert "k.data = ..." in event.diff or "no dispatched write" in event.diff
+    assert (event.path, event.kind, event.op, event.blocked) == (
+        "source.1.weight", "repoint", "Tensor.data assignment", True)
+    assert event.code == "src_w.data = src_w.data + 1  # the bug: Gemma-style (1 + w) applied to the source"
 
 
 def test_verl_lora_merge_then_restore_through_data_copy(engine: str) -> None:

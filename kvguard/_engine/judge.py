@@ -166,25 +166,41 @@ class WriteJudge:
         protected = self.protected
         hit = [e for e in (protected.entry_of(t1), protected.entry_of(t2)) if e is not None]
         if not hit:
-            return lambda swapped: None
+            return _no_repoint
+        return self._repoint(_torch.SWAP_OP, hit, lambda: protected.release((t1, t2)))
+
+    def on_data(self, tensor: torch.Tensor) -> Callable[[bool], None]:
+        """`tensor.data = other` on a protected tensor: report it at the assignment, like `set_`
+        (the set decides what is intended, as for an op: a weights set's conversions are)."""
+        hit = self.protected.written_entries((tensor,), "repoint")
+        if not hit:
+            return _no_repoint
+        return self._repoint(_torch.DATA_OP, hit, lambda: _nothing)
+
+    def _repoint(self, op: str, hit: list[Entry], release: Callable[[], Callable[[], None]]) -> Callable[[bool], None]:
+        """Report a re-pointing that no op dispatches: blocked before it, or reported once it is done.
+
+        `release` steps the set's hold on the tensors aside for the re-pointing (swap_tensors
+        refuses weak references) and returns the undo."""
+        protected = self.protected
         protected.settle()
         site = _frames.user_site()
-        for entry in protected.drifted(hit):  # a change no op saw, which the swap would hide
+        for entry in protected.drifted(hit):  # a change no op saw, which the re-pointing would hide
             self.on_event(unobserved_event(entry, protected.tensor_of(entry), site, DRIFT_DIFF,
                                            before="(a digest)"), True)
         before = {id(e): _describe(protected.tensor_of(e)) for e in hit}
         if self.block:
             for entry in hit:
-                self.on_event(self._event(_torch.SWAP_OP, "repoint", entry, site, blocked=True))
-        restore = protected.release((t1, t2))
+                self.on_event(self._event(op, "repoint", entry, site, blocked=True))
+        restore = release()
 
-        def after(swapped: bool) -> None:
+        def after(done: bool) -> None:
             restore()
-            if not swapped:  # torch refused: nothing changed, nothing to report
+            if not done:  # torch refused, or a guard stopped it: nothing changed, nothing to report
                 return
-            protected.explain(hit)
+            protected.explain(hit)  # the entries follow their new memory and values
             for entry in hit:
-                self.on_event(self._event(_torch.SWAP_OP, "repoint", entry, site, blocked=False,
+                self.on_event(self._event(op, "repoint", entry, site, blocked=False,
                                           before_meta=before[id(entry)]))
         return after
 
@@ -229,6 +245,14 @@ class WriteJudge:
                             + (", its version counter only" if kind == "version" else "")
                             + (", stopped before it ran" if blocked else ""))
         return event
+
+
+def _no_repoint(done: bool) -> None:
+    pass
+
+
+def _nothing() -> None:
+    pass
 
 
 def _kind(facts: _torch.OpFacts, entry: Entry, counter_only: frozenset[int]) -> str:

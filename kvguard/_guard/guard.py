@@ -57,7 +57,7 @@ class Guard:
         # again at exit. Not the errors: their tracebacks hold the writing frames.
         self._raised: list[tuple[list[bool], str, Optional[MutationEvent]]] = []
         self._checked = 0  # events already returned by `check()`
-        self._unhook_swap: Callable[[], None] = lambda: None
+        self._unhook_repoints: Callable[[], None] = lambda: None
         self.target = target  # `module:qualname(arg)` when env activation guards a target
         # Where exit-check events are located; defaults to the frame that exits the guard
         # (integrations such as the pytest plugin point it at the test instead).
@@ -169,7 +169,7 @@ class Guard:
                 if self._attachment is not None:  # out of order, or on another thread's stack (then
                     self._attachment.detach((exc_type, exc, tb))  # inert once the set is closed)
             finally:
-                self._unhook_swap()
+                self._unhook_repoints()
         finally:
             unobserved = self._exit_check()
             self.keys_seen = frozenset(self._protected.keys_seen)
@@ -334,7 +334,7 @@ class Guard:
             raise RuntimeError(f"{self!r}.pause() needs an active guard that is not paused")
         self._paused = True
         attachment, self._attachment = self._attachment, None
-        unhook, self._unhook_swap = self._unhook_swap, _nothing_to_undo
+        unhook, self._unhook_repoints = self._unhook_repoints, _nothing_to_undo
         try:
             if attachment is not None:
                 self._ops_before += attachment.ops
@@ -361,23 +361,30 @@ class Guard:
         self._paused = False
 
     def _watch_ops(self) -> None:
-        """Attach to the engine (level "full") and step aside for `swap_tensors`: at entry and each resume."""
+        """Attach to the engine (level "full"), and watch `swap_tensors` and `.data =` (which no op
+        shows; at level "light", step aside for `swap_tensors` only): at entry and each resume."""
         from kvguard import _torch
 
         if self.level != "full":  # no per-op hook at all; `swap_tensors` still needs our weak references aside
-            self._unhook_swap = _torch.on_swap_tensors(self._step_aside)
+            self._unhook_repoints = _torch.on_swap_tensors(self._step_aside)
             return
         from kvguard._engine import choice as _choice
         from kvguard._engine.judge import WriteJudge
 
         if self._judge is None:
             self._judge = WriteJudge(self._protected, self._on_event, block=self.action == "raise")
-        self._unhook_swap = _torch.on_swap_tensors(self._judge.on_swap)
+        unhook_swap = _torch.on_swap_tensors(self._judge.on_swap)
+        unhook_data = _torch.on_data_assignment(self._judge.on_data)
+
+        def unhook_repoints() -> None:
+            unhook_data()
+            unhook_swap()
+        self._unhook_repoints = unhook_repoints
         try:
             self._attachment = _choice.attach(self._judge)
         except BaseException:
-            self._unhook_swap()
-            self._unhook_swap = _nothing_to_undo
+            self._unhook_repoints()
+            self._unhook_repoints = _nothing_to_undo
             raise
 
     def _ops_seen(self) -> int:

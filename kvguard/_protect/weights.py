@@ -250,4 +250,6 @@ class ModuleSet(ProtectedSet):
         self._stepping.clear()
         self._owner.clear()
         self._roots = []
+                if id(owner) in modules and name == "_apply":
+                    return hit  # a conversion (`to`, `half`) re-points with `.data =`; `converted` follows
         super().close()
