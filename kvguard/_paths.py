@@ -84,5 +84,18 @@ def parse_patterns(value: str, source: str) -> tuple[str, ...]:
 
 
 def matcher(pattern: str) -> re.Pattern[str]:
-    """A regex matching the paths `pattern` covers: itself, with any index for `[*]`, and below."""
-    return re.compile(re.escape(pattern).replace(_STAR, _INDEX.pattern) + r"(?=$|[\[.])")
+    """A regex matching the paths `pattern` covers: itself, with any index for `[*]`, and below.
+
+    A `*` elsewhere outside quotes matches any run of characters, so that a saved tensor's
+    path can be named by its node alone: `<saved by SinBackward0: *`.
+    """
+    pieces, done = [], 0
+    for i, char in _unquoted(pattern)[0]:
+        if char == "*" and pattern[i - 1:i + 2] != "[*]":
+            pieces += [_escaped(pattern[done:i]), ".*"]
+            done = i + 1
+    return re.compile("".join(pieces) + _escaped(pattern[done:]) + r"(?=$|[\[.])")
+
+
+def _escaped(text: str) -> str:
+    return re.escape(text).replace(_STAR, _INDEX.pattern)

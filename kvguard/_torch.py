@@ -131,7 +131,12 @@ def _learn(func: Any) -> OpFacts:
         kind = "write"
     self_only = (len(written) == 1 and written[0].position == 0 and not written[0].kwarg_only
                  and str(schema.arguments[0].type) == "Tensor")
-    return OpFacts(written, kind, self_only, any(a.kwarg_only for a in written), undeclared is not None)
+    # An aten functional op that writes an argument (`rrelu_with_noise`'s noise, batch norm's
+    # running statistics) bumps no version counter: autograd's check never sees that write either.
+    functional = (getattr(func, "namespace", "") == "aten" and not base_name.endswith("_")
+                  and not {torch.Tag.inplace, torch.Tag.out} & set(getattr(func, "tags", ())))
+    return OpFacts(written, kind, self_only, any(a.kwarg_only for a in written),
+                   undeclared is not None or (functional and kind == "write"))
 
 
 def written_tensors(facts: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -948,6 +953,37 @@ def let_func_transforms_run(is_ours: Callable[[Any], bool]) -> None:
     disable_saved_tensors_hooks._kvguard_aside = True  # type: ignore[attr-defined]
     disable_saved_tensors_hooks.__doc__ = original.__doc__
     graph.disable_saved_tensors_hooks = disable_saved_tensors_hooks
+
+
+def compose_saved_tensors_hooks(compose: Callable[[Any, Any], Optional[tuple[Any, Any]]]) -> None:
+    """Saved-tensor hooks do not nest (only the innermost pair runs): let `compose(pack, unpack)`
+    replace each pair pushed from now on (`saved_tensors_hooks.__enter__`, so checkpointing,
+    `save_on_cpu`, offloading), or return None to leave it as it is.
+
+    Patched once for the process, on the one function every Python context pushes through.
+    """
+    autograd = torch._C._autograd
+    original = autograd._push_saved_tensors_default_hooks
+    if getattr(original, "_kvguard_compose", False):
+        return
+
+    def push(pack: Any, unpack: Any) -> None:
+        pair = compose(pack, unpack)
+        original(*(pair if pair is not None else (pack, unpack)))
+
+    push._kvguard_compose = True  # type: ignore[attr-defined]
+    push.__doc__ = original.__doc__
+    autograd._push_saved_tensors_default_hooks = push
+
+
+def inlineable_hook(hook: Any) -> bool:
+    """Whether `torch.compile` inlines this saved-tensor hook into its graphs (an fx GraphModule)."""
+    return isinstance(hook, torch.fx.GraphModule)
+
+
+def current_graph_task_id() -> int:
+    """The backward pass (graph task) running on this thread; -1 outside backward."""
+    return int(torch._C._current_graph_task_id())
 
 
 def allowing_mutation_on_saved_tensors() -> bool:

@@ -19,14 +19,24 @@ from kvguard._guard.guard import Guard
 from kvguard._report.tally import AUTOGRAD_LABEL
 
 
+# Writes to saved tensors that torch makes on purpose and undoes before backward reads them:
+# allowed with no setting (counted under the pattern, like a user's allow=), as data.
+INTENDED_WRITERS = (
+    # gradcheck / gradgradcheck perturb each input element in place (through `.data`) while
+    # the analytical graph is alive, and copy the original back (torch 2.0 - 2.13 at least).
+    "torch.autograd.gradcheck:_compute_numerical_gradient",
+)
+
+
 class AutogradGuard(Guard):
     """A guard over every tensor saved for backward while it is active. Use `guard_autograd()`."""
 
     def __init__(self, *, name: Optional[str] = None, action: Optional[str] = "raise",
                  allow: Optional[Collection[str]] = None, report_dir: Optional[str | os.PathLike[str]] = None,
                  target: Optional[str] = None) -> None:
-        super().__init__([], name=name or "autograd", action=action, allow=allow, report_dir=report_dir,
-                         target=target, level="full", fingerprint=False)
+        allow = [allow] if isinstance(allow, str) else list(allow or ())
+        super().__init__([], name=name or "autograd", action=action, allow=[*allow, *INTENDED_WRITERS],
+                         report_dir=report_dir, target=target, level="full", fingerprint=False)
         self.delegated = False  # other saved-tensor hooks were active: nothing protected
         self._account.label = AUTOGRAD_LABEL  # counted as `autograd`, from code or KVGUARD_TARGETS
         self._hooks: Any = None
@@ -41,12 +51,13 @@ class AutogradGuard(Guard):
 
     def __enter__(self) -> AutogradGuard:
         from kvguard import _torch
-        from kvguard._protect.saved import SavedSet
+        from kvguard._protect import saved as _saved
 
-        _torch.let_func_transforms_run(lambda pack: isinstance(getattr(pack, "__self__", None), SavedSet))
+        _torch.let_func_transforms_run(lambda pack: isinstance(getattr(pack, "__self__", None), _saved.SavedSet))
+        _torch.compose_saved_tensors_hooks(_saved.compose)
         pack = _torch.top_saved_tensors_pack()
-        outer = getattr(pack, "__self__", None)
-        self._outer = outer if isinstance(outer, SavedSet) and not outer.closed else None
+        outer = _saved.set_of(pack) if pack is not None else None
+        self._outer = outer if outer is not None and not outer.closed else None
         self.inside_func_transform = _torch.saved_tensors_hooks_disabled()
         self.delegated = self._outer is None and (pack is not None or _torch.allowing_mutation_on_saved_tensors()
                                                   or self.inside_func_transform)

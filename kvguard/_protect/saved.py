@@ -7,6 +7,11 @@ tensor detached (the same memory and version counter, without a reference back t
 it. The tensor is protected for as long as autograd holds the `Saved`: until the backward
 that needs it has run, or its graph is freed.
 
+Hooks do not nest, so saved-tensor hooks pushed while these are innermost (non-reentrant
+checkpointing, first forward and recomputation; `save_on_cpu`; offloading) are composed
+with them (`Composed`): theirs keep what they keep, and the tensor each saved is protected,
+held weakly, for as long as both it and what their pack kept live.
+
 Installing hooks switches PyTorch's own version check off, so the unpack hook makes it
 itself, with PyTorch's words and kvguard's explanation added. Which node saved a tensor is
 found only when a report names it, by a walk of the graph from recently saved tensors and
@@ -42,20 +47,104 @@ TORCH_HINT = ("Hint: the backtrace further above shows the operation that failed
 
 
 class Saved:
-    """What one pack kept: the tensor autograd reads back, its version then, where it was saved."""
+    """What one pack kept: the tensor autograd reads back, its version then, where it was saved.
 
-    __slots__ = ("tensor", "version", "site", "saver", "writes", "read_by", "__weakref__")
+    Under composed hooks (`Composed`) it keeps no tensor (`tensor` is None): theirs keep it."""
 
-    def __init__(self, tensor: torch.Tensor, site: Optional[tuple[str, int]]) -> None:
-        self.tensor = tensor.detach()  # shares memory and version counter; no grad_fn: no cycle
-        self.version = tensor._version
+    __slots__ = ("tensor", "version", "site", "saver", "writes", "read_by", "burst", "task", "__weakref__")
+
+    def __init__(self, tensor: Optional[torch.Tensor], site: Optional[tuple[str, int]]) -> None:
+        # Shares memory and version counter; no grad_fn: no cycle.
+        self.tensor = tensor.detach() if tensor is not None else None
+        self.version = tensor._version if tensor is not None else 0
         self.site = site  # (co_filename, line), shown as `file.py:LINE` (`site_text`)
         self.saver: Optional[str] = None  # "SigmoidBackward0: result", once a report needed it
         self.writes: list[str] = []  # the writes kvguard reported on it, for backward's error
         self.read_by: Optional[int] = None  # the backward node that last unpacked it (`_torch.node_serial`)
+        self.burst: Optional[_Burst] = None  # the forward stretch that saved it (`SavedSet.graphs`)
+        self.task: Optional[int] = None  # the backward pass that first read it
 
     def path(self) -> str:
         return f"{SAVED_PREFIX}{self.saver}>" if self.saver else f"{SAVED_PREFIX}a node not found>"
+
+
+class _Burst:
+    """Tensors saved outside backward with no backward in between: one forward stretch."""
+
+    __slots__ = ("read",)
+
+    def __init__(self) -> None:
+        self.read = False  # a backward pass read one of them (that pass counts the graph)
+
+
+class Kept:
+    """What autograd holds under composed hooks: what their pack returned, and kvguard's `Saved`."""
+
+    __slots__ = ("inner", "saved", "__weakref__")
+
+    def __init__(self, inner: Any, saved: Saved) -> None:
+        self.inner = inner
+        self.saved = saved
+
+
+class _Lent(weakref.ref):  # type: ignore[type-arg]
+    """An entry's reference under composed hooks: weak to the saved tensor (or to the alias their
+    hook keeps), and to the `Kept` that autograd holds when the tensor outlives it (`owner`)."""
+
+    def __new__(cls, tensor: torch.Tensor, callback: Any, saved: Saved, owner: Optional[Kept]) -> _Lent:
+        return super().__new__(cls, tensor, callback)
+
+    def __init__(self, tensor: torch.Tensor, callback: Any, saved: Saved, owner: Optional[Kept]) -> None:
+        super().__init__(tensor, callback)
+        self.info = saved
+        self.owner = weakref.ref(owner, callback) if owner is not None else None
+
+    def __call__(self) -> Optional[torch.Tensor]:  # type: ignore[override]
+        owner = self.owner
+        if owner is not None and owner() is None:
+            return None
+        return super().__call__()
+
+    def saved(self) -> Optional[Saved]:
+        return self.info if self() is not None else None
+
+
+class Composed:
+    """Other saved-tensor hooks pushed while kvguard's were innermost, with kvguard's around them.
+
+    Their pack runs and keeps what it keeps (a checkpoint's placeholder, a CPU copy, a
+    recomputed alias); the tensor is protected besides, held weakly: for as long as the
+    alias their hook keeps lives, else for as long as both the tensor and what autograd
+    holds do. Their unpack runs as it would, with no version check added: what it returns
+    is theirs to vouch for (a CPU copy, a recomputation), as without kvguard.
+    """
+
+    __slots__ = ("their_pack", "their_unpack", "owner")
+
+    def __init__(self, pack: Any, unpack: Any, owner: SavedSet) -> None:
+        self.their_pack, self.their_unpack, self.owner = pack, unpack, owner
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        inner = self.their_pack(tensor)  # may raise: a checkpoint stops its recomputation so
+        owner = self.owner
+        if owner.closed or _torch.allowing_mutation_on_saved_tensors():
+            return inner  # writes are legal there (autograd keeps a copy): theirs alone
+        try:
+            saved = Saved(None, _frames.first_user_line(sys._getframe(1)))
+            kept = Kept(inner, saved)
+            # An alias their hook keeps (a recomputation's `x.detach()`) is protected while it lives.
+            alias = isinstance(inner, torch.Tensor) and inner is not tensor and _torch.shares_version_counter(
+                inner, tensor)
+            owner.lend(saved, inner if alias else tensor, None if alias else kept)
+        except Exception:  # noqa: BLE001 - never fail the user's forward
+            return inner
+        return kept
+
+    def unpack(self, kept: Any) -> Any:
+        if type(kept) is not Kept:
+            return self.their_unpack(kept)
+        self.owner.read(kept.saved)
+        return self.their_unpack(kept.inner)
 
 
 class _TensorOf(weakref.ref):  # type: ignore[type-arg]
@@ -90,8 +179,11 @@ class SavedSet(ProtectedSet):
         self._thread = threading.get_ident()
         self.counter_only: frozenset[int] = frozenset()
         self.followers: list[SavedSet] = []  # sets of guard_autograd blocks entered inside this one
-        self.graphs = 0  # forward passes: packs that came after a backward (or first)
+        self._burst: Optional[_Burst] = None  # the forward stretch saving now (`graphs`)
+        self._bursts = self._bursts_read = self._tasks = 0
+        self._recent_tasks: collections.deque[int] = collections.deque(maxlen=64)
         self._backward_since_pack = True
+        self.unprotected = 0  # other hooks' stretches not composed with ours (their tensors not protected)
         self.closed = False
         super().__init__(self._pending, name, None, (), fingerprint=fingerprint)
 
@@ -102,18 +194,28 @@ class SavedSet(ProtectedSet):
             saved = Saved(tensor, _frames.first_user_line(sys._getframe(1)))
         except Exception:  # noqa: BLE001 - never fail the user's forward (a subclass that refuses detach)
             return tensor
-        if not self.closed:
-            self.adopt(saved, tensor)
-        for follower in self.followers:  # a guard_autograd entered inside this one protects it too
-            follower.adopt(saved, tensor)
+        for target in self._protecting():
+            target.adopt(_TensorOf(saved, target._on_death), saved, tensor)
         return saved
 
-    def adopt(self, saved: Saved, tensor: torch.Tensor) -> None:
-        """Protect `saved` from the next look on (or now, when many wait)."""
-        if self._backward_since_pack:
-            self._backward_since_pack = False
-            self.graphs += 1
-        self._pending.append(_TensorOf(saved, self._on_death))
+    def lend(self, saved: Saved, tensor: torch.Tensor, owner: Optional[Kept]) -> None:
+        """Protect `tensor`, saved under composed hooks, weakly (see `Composed`)."""
+        for target in self._protecting():
+            target.adopt(_Lent(tensor, target._on_death, saved, owner), saved, tensor)
+
+    def _protecting(self) -> list[SavedSet]:
+        """This set (unless closed) and the sets of guard_autograd blocks entered inside it."""
+        return ([] if self.closed else [self]) + self.followers
+
+    def adopt(self, ref: Any, saved: Saved, tensor: torch.Tensor) -> None:
+        """Protect what `ref` gives from the next look on (or now, when many wait)."""
+        if saved.burst is None and _torch.current_graph_task_id() == -1:  # saved inside backward: its pass counts it
+            if self._backward_since_pack or self._burst is None:
+                self._backward_since_pack = False
+                self._burst = _Burst()
+                self._bursts += 1
+            saved.burst = self._burst
+        self._pending.append(ref)
         self.protected_count += 1  # protected from now: a write looks at what waits first
         if tensor.requires_grad:  # a start for the search of savers (`_find_savers`)
             self._roots.append(weakref.ref(tensor))
@@ -126,14 +228,36 @@ class SavedSet(ProtectedSet):
     def unpack(self, saved: Any) -> torch.Tensor:
         if type(saved) is not Saved:
             return saved  # type: ignore[no-any-return]  # a tensor pack could not keep
-        self._backward_since_pack = True
         tensor = saved.tensor
         if tensor._version != saved.version:
             raise RuntimeError(self._version_error(saved))
+        self.read(saved)
+        return tensor
+
+    def read(self, saved: Saved) -> None:
+        """Backward unpacked `saved`: counted with its graph, and its node may now use it as scratch."""
         node = _torch.current_autograd_node()
         if node is not None:  # its own backward may now write it (Megatron's cross-entropy does)
             saved.read_by = _torch.node_serial(node)
-        return tensor
+        task = _torch.current_graph_task_id()
+        if task == -1 or saved.task is not None:
+            return  # read outside backward (`grad_fn._saved_x`), or again (retain_graph)
+        self._backward_since_pack = True
+        saved.task = task
+        for target in [self, *self.followers]:
+            if task not in target._recent_tasks:
+                target._recent_tasks.append(task)
+                target._tasks += 1
+        burst = saved.burst
+        if burst is not None and not burst.read:
+            burst.read = True
+            self._bursts_read += 1
+
+    @property
+    def graphs(self) -> int:  # type: ignore[override]
+        """Graphs that saved what this set protected: each backward pass that read a tensor no
+        other had read, and each forward stretch whose tensors no backward read."""
+        return self._tasks + self._bursts - self._bursts_read
 
     def _version_error(self, saved: Saved) -> str:
         """PyTorch's words for a saved tensor written since, then what kvguard saw."""
@@ -161,15 +285,15 @@ class SavedSet(ProtectedSet):
         if self._dirty:  # forget the dead first: entries of freed graphs never pile up
             self._forget_dead()
         with collector_paused():  # a batch of new objects: no collection over the whole heap midway
-            live = [(ref, saved) for ref in self._pending if (saved := ref.saved()) is not None]
+            live = [(ref, tensor) for ref in self._pending if (tensor := ref()) is not None]
             self._pending.clear()  # the watch compares it with an empty snapshot again
-            records = self._records_of([saved.tensor for _, saved in live])
+            records = self._records_of([tensor for _, tensor in live])
             entries = self._entries
             added = []
-            for (ref, saved), record in zip(live, records):
-                site = saved.site
-                entry = entries[id(saved.tensor)] = Entry(_UNNAMED, record, ref,
-                                                          _site_text(site) if site is not None else None)
+            for (ref, tensor), record in zip(live, records):
+                site = ref.saved().site
+                entry = entries[id(tensor)] = Entry(_UNNAMED, record, ref,
+                                                    _site_text(site) if site is not None else None)
                 added.append(entry)
             del live
             # The lookup index is built when Python is next asked about a write (rarely, for what
@@ -200,7 +324,7 @@ class SavedSet(ProtectedSet):
     def alive(self) -> int:
         """Saved tensors protected now."""
         return sum(1 for e in self._entries.values() if e.ref() is not None) + sum(
-            1 for ref in self._pending if ref.saved() is not None)
+            1 for ref in self._pending if ref() is not None)
 
     # -- writes ----------------------------------------------------------------------
 
@@ -212,9 +336,14 @@ class SavedSet(ProtectedSet):
         """
         self.counter_only = frozenset()
         hit = super().written_entries(written, kind, resizes)
-        if not hit and kind == "write":
+        if not hit:
+            # A metadata or re-pointing op (`t_`, `unsqueeze_`, `set_`, `detach_`) changes a tensor
+            # object, not the detached one autograd keeps; its version counter is theirs alike.
             hit = self._sharing_counter(written)
-            self.counter_only = frozenset(map(id, hit))
+            if kind == "write":
+                self.counter_only = frozenset(map(id, hit))
+            else:
+                self.counter_only = frozenset(id(e) for e in hit if not _same_view(e, written))
         if hit and (node := _torch.current_autograd_node()) is not None:
             hit = self._not_read_by(_torch.node_serial(node), hit)
         return self._named(hit) if hit else hit
@@ -225,6 +354,8 @@ class SavedSet(ProtectedSet):
         return [e for e in hit if (s := self.saved_of(e)) is None or s.read_by is None or s.read_by != serial]
 
     def _sharing_counter(self, written: Sequence[torch.Tensor]) -> list[Entry]:
+        if self._memory.stale:
+            self._memory.ensure(self._entries.values())
         found = []
         for tensor in written:
             for entry in self._memory.in_storage_of(tensor):
@@ -239,13 +370,14 @@ class SavedSet(ProtectedSet):
         self._find_savers()
         first: dict[Any, Entry] = {}
         kept = []
-        for entry in hit:
+        for entry in sorted(hit, key=lambda e: (s := self.saved_of(e)) is None or s.saver is None):  # named first
             saved = self.saved_of(entry)
             if saved is not None:
                 entry.path = saved.path()
-            same = first.get(entry.record[0])
+            key = _memory_key(entry)
+            same = first.get(key)
             if same is None:
-                first[entry.record[0]] = entry
+                first[key] = entry
                 kept.append(entry)
                 entry.aliases = ()
             elif entry.path != same.path and entry.path not in same.aliases:
@@ -255,7 +387,7 @@ class SavedSet(ProtectedSet):
     @staticmethod
     def saved_of(entry: Entry) -> Optional[Saved]:
         ref = entry.ref
-        return ref.saved() if isinstance(ref, _TensorOf) else None
+        return ref.saved() if isinstance(ref, (_TensorOf, _Lent)) else None
 
     def note(self, entry: Entry, what: str) -> None:
         """A write reported on `entry`: backward's error will name it."""
@@ -279,6 +411,8 @@ class SavedSet(ProtectedSet):
             seen.add(id(node))
             kept.append(node)
             for slot, data in _torch.saved_slots(node):
+                if type(data) is Kept:  # saved under composed hooks
+                    data = data.saved
                 if type(data) is Saved and data.saver is None:
                     data.saver = f"{type(node).__name__}: {slot}"
                     unnamed.pop(id(data), None)
@@ -290,6 +424,48 @@ class SavedSet(ProtectedSet):
         self._pending.clear()
         self._roots.clear()
         super().close()
+
+
+def _memory_key(entry: Entry) -> Any:
+    """The same for two entries of one tensor's elements (a detached alias and the tensor itself)."""
+    tensor = entry.ref()
+    if tensor is None or tensor.layout != torch.strided:
+        return entry.record[0]
+    try:
+        return (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+    except Exception:  # noqa: BLE001 - no storage (meta, a wrapper subclass)
+        return entry.record[0]
+
+
+def _same_view(entry: Entry, written: Sequence[torch.Tensor]) -> bool:
+    """Whether one of `written` is the saved tensor itself (same memory and layout), not a sibling view."""
+    saved = entry.ref()
+    return saved is not None and any(
+        t.data_ptr() == saved.data_ptr() and t.shape == saved.shape and t.stride() == saved.stride()
+        for t in written if t.layout == torch.strided and saved.layout == torch.strided)
+
+
+def set_of(pack: Any) -> Optional[SavedSet]:
+    """The `SavedSet` behind a pack hook of kvguard's (its own, or composed with another's)."""
+    owner = getattr(pack, "__self__", None)
+    if isinstance(owner, Composed):
+        return owner.owner
+    return owner if isinstance(owner, SavedSet) else None
+
+
+def compose(pack: Any, unpack: Any) -> Optional[tuple[Any, Any]]:
+    """Hooks being pushed: composed with kvguard's when those are innermost (see `Composed`)."""
+    if set_of(pack) is not None:
+        return None  # kvguard's own (a guard entered, or set back after a torch.func transform)
+    top = _torch.top_saved_tensors_pack()
+    owner = set_of(top) if top is not None else None
+    if owner is None or owner.closed:
+        return None
+    if _torch.inlineable_hook(pack) or _torch.inlineable_hook(unpack):
+        owner.unprotected += 1  # torch.compile inlines these into its graph: left as they are
+        return None
+    composed = Composed(pack, unpack, owner)
+    return composed.pack, composed.unpack
 
 
 def _grad_fn(tensor: torch.Tensor) -> Any:
