@@ -39,3 +39,7 @@ def stop() -> None:
 
     guard, STATE.autograd = STATE.autograd, None
     leave(guard, "autograd guard")
+    if guard is not None and getattr(guard, "unprotected", 0):  # said with the summary: never counted as clean
+        from kvguard._guard.autograd import unprotected_text
+
+        say(f"kvguard: autograd: {unprotected_text(guard.unprotected)}")

@@ -17,6 +17,7 @@ from typing import Any, Collection, Literal, Optional
 from kvguard._errors import GuardWarning
 from kvguard._guard.guard import Guard
 from kvguard._report.tally import AUTOGRAD_LABEL
+from kvguard._text import plural
 
 
 # Writes to saved tensors that torch makes on purpose and undoes before backward reads them:
@@ -42,7 +43,8 @@ class AutogradGuard(Guard):
         self._hooks: Any = None
         self._outer: Any = None  # the SavedSet of a guard_autograd this one was entered inside
         self.inside_func_transform = False  # entered where saved-tensor hooks are refused (torch.func)
-        self.graphs = 0  # forward passes that saved tensors under the guard (set at exit)
+        self.graphs = 0  # graphs that saved tensors under the guard (set at exit)
+        self.unprotected = 0  # stretches under other saved-tensor hooks left unprotected (set at exit)
 
     def _new_protected(self) -> Any:
         from kvguard._protect.saved import SavedSet
@@ -81,9 +83,12 @@ class AutogradGuard(Guard):
             outer.followers.remove(self._protected)
         if self._protected is not None:
             self.graphs = self._protected.graphs
+            self.unprotected = self._protected.unprotected
         return super().__exit__(exc_type, exc, tb)
 
     def _warn_if_blind(self) -> None:
+        if self.unprotected:
+            self._warn(f"kvguard.guard_autograd(): {unprotected_text(self.unprotected)}", GuardWarning)
         if self.inside_func_transform and self._outer is None:
             self._warn("kvguard.guard_autograd() protected no tensor: it began inside a torch.func transform "
                        "(grad, vjp, jacrev, hessian), where saved-tensor hooks are refused; enter it outside the "
@@ -92,12 +97,18 @@ class AutogradGuard(Guard):
             self._warn("kvguard.guard_autograd() protected no tensor: other saved_tensors_hooks were active when "
                        "it began (save_on_cpu, checkpointing, allow_mutation_on_saved_tensors, offloading), so "
                        "backward reads what they kept; enter guard_autograd outside them", GuardWarning)
-        elif self.protected_count == 0:
+        elif self.protected_count == 0 and not self.unprotected:
             self._warn("kvguard.guard_autograd() protected no tensor: no op saved one for backward while it was "
                        "active (torch.no_grad(), inference_mode, or no tensor requiring grad?)", GuardWarning)
 
     def __repr__(self) -> str:
         return super().__repr__().replace("kvguard.guard ", "kvguard.guard_autograd ", 1)
+
+
+def unprotected_text(stretches: int) -> str:
+    """What a guard could not protect, for its warning and the exit line."""
+    return (f"{plural(stretches, 'stretch', 'stretches')} under other saved-tensor hooks that torch.compile inlines "
+            "(fx GraphModules) left unprotected: what they saved was not looked at")
 
 
 def guard_autograd(*, action: str = "raise", name: Optional[str] = None, allow: Optional[Collection[str]] = None,
