@@ -140,3 +140,152 @@ def test_attributes_of_slotted_and_hostile_objects() -> None:
     hostile = object.__new__(Hostile)
     object.__setattr__(hostile, "m", 3)
     assert _attributes(hostile) == [("m", 3)]
+
+
+# -- 2. writes no op shows, between two steps: compared before the step takes its digests again ------
+
+def _model_and_opt(**kwargs: object) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, **kwargs)
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, between: object = None) -> None:
+    data = torch.randn(8, 3, generator=torch.Generator().manual_seed(1))
+    for i in range(steps):
+        model(data).pow(2).mean().backward()
+        opt.step()  # the step line
+        opt.zero_grad()
+        if i == 0 and callable(between):
+            between()
+
+
+STEP_LINE = _train.__code__.co_firstlineno + 4
+
+
+def _numpy_write(model: torch.nn.Module) -> None:
+    model[0].weight.detach().numpy()[0, 0] = 42.0
+
+
+def _pointer_write(model: torch.nn.Module) -> None:
+    import ctypes
+
+    ctypes.c_float.from_address(model[2].bias.data_ptr()).value = -7.0
+
+
+@pytest.mark.parametrize("level", ["full", "light"])
+@pytest.mark.parametrize("write, path", [(_numpy_write, "model.0.weight"), (_pointer_write, "model.2.bias")])
+def test_a_write_no_op_shows_between_steps_is_found_at_the_next_step(level: str, write: object, path: str) -> None:
+    model, opt = _model_and_opt()
+    with kvguard.guard_module(model, optimizer=opt, action="record", level=level) as g:
+        _train(model, opt, 3, between=lambda: write(model))  # type: ignore[operator]
+    assert [(e.path, e.kind, e.lineno) for e in g.report.events] == [(path, "unobserved", STEP_LINE)]
+    event = g.report.events[0]
+    assert "since the last optimizer step" in event.diff and "writing line is not known" in event.diff
+    assert g.report.events[0].filename == __file__
+
+
+def test_under_raise_the_step_after_a_hidden_write_does_not_run() -> None:
+    model, opt = _model_and_opt()
+    with pytest.raises(kvguard.MutationError) as info:
+        with kvguard.guard_module(model, optimizer=opt, action="raise"):
+            _train(model, opt, 1)
+            _numpy_write(model)
+            before = [p.detach().clone() for p in model.parameters()]
+            _train(model, opt, 1)
+    assert info.value.event.path == "model.0.weight" and info.value.event.lineno == STEP_LINE
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the step did not run
+
+
+@pytest.mark.parametrize("level", ["full", "light"])
+@pytest.mark.parametrize("kind", ["foreach", "fused"])
+def test_intended_writes_between_steps_pass_and_training_is_unchanged(level: str, kind: str) -> None:
+    """load_state_dict, a conversion, batch norm's statistics and foreach/fused steps pass; a write
+    an op reported is not reported again at the step; weights bitwise as without kvguard."""
+    def run(guarded: bool) -> tuple[list[torch.Tensor], list[tuple[str, str]]]:
+        model, opt = _model_and_opt(**{kind: True})
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+
+        def between() -> None:
+            model.load_state_dict(saved)
+            model.double().float()
+            with torch.no_grad():
+                model[0].bias.add_(1.0)  # at level full: reported at its op, once
+        if not guarded:
+            _train(model, opt, 4, between)
+            return [t.detach().clone() for t in model.state_dict().values()], []
+        with kvguard.guard_module(model, optimizer=opt, action="record", level=level) as g:
+            _train(model, opt, 4, between)
+        return [t.detach().clone() for t in model.state_dict().values()], [(e.path, e.kind) for e in g.report.events]
+    plain, _ = run(False)
+    guarded, events = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, guarded))
+    # level light sees no op: the bias write is found at the next step, as one change
+    assert events == [("model.0.bias", "write" if level == "full" else "unobserved")]
+
+
+# -- 6. a module's own buffer updates: batch norm at level light, spectral_norm's hook ---------------
+
+def _discriminator() -> torch.nn.Module:
+    torch.manual_seed(0)
+    sn = torch.nn.utils.spectral_norm
+    return torch.nn.Sequential(sn(torch.nn.Linear(3, 8)), torch.nn.LeakyReLU(0.2), torch.nn.BatchNorm1d(8),
+                               sn(torch.nn.Linear(8, 1)))
+
+
+@pytest.mark.parametrize("level", ["full", "light"])
+def test_batch_norm_and_spectral_norm_update_their_own_buffers_unreported(level: str) -> None:
+    d = _discriminator()
+    opt = torch.optim.Adam(d.parameters(), lr=1e-3)
+    with kvguard.guard_module(d, optimizer=opt, action="raise", level=level) as g:
+        for _ in range(3):
+            d(torch.randn(8, 3)).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        g.check()
+        d.eval()
+        d(torch.randn(8, 3))
+    assert g.report.events == []
+    assert g.protected_count == 13  # 2 x (weight_orig, bias, weight_u, weight_v), batch norm's 2 + 3
+
+
+@pytest.mark.parametrize("level", ["full", "light"])
+def test_a_stray_write_to_a_buffer_outside_its_module_is_still_reported(level: str) -> None:
+    d = _discriminator()
+    opt = torch.optim.Adam(d.parameters(), lr=1e-3)
+    with kvguard.guard_module(d, name="d", optimizer=opt, action="record", level=level) as g:
+        d(torch.randn(8, 3)).mean().backward()
+        opt.step()
+        d[0].weight_u.detach().numpy()[0] = 3.0   # no op shows it; d[0] is not called again
+        d[2].running_var.detach().numpy()[:] = 0.0
+    assert sorted(e.path for e in g.report.events) == ["d.0.weight_u", "d.2.running_var"]
+
+
+def test_a_hook_writing_a_parameter_is_not_the_modules_own_update() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+
+    def meddle(module: torch.nn.Module, args: object) -> None:
+        with torch.no_grad():
+            module.weight.mul_(0.5)  # a forward pre-hook writing the weight: reported
+    model.register_forward_pre_hook(meddle)
+    with kvguard.guard_module(model, action="record") as g:
+        model(torch.randn(2, 3))
+    assert [(e.path, e.op) for e in g.report.events] == [("model.weight", "aten.mul_.Tensor")]
+
+
+def test_a_hidden_write_to_batch_norm_statistics_is_not_absorbed_by_its_next_update() -> None:
+    """Level full: batch norm's own update is intended, but what changed before it, with no op
+    showing it, is found (before the update hides it) and reported at the next step."""
+    d = _discriminator()
+    opt = torch.optim.Adam(d.parameters(), lr=1e-3)
+    with kvguard.guard_module(d, name="d", optimizer=opt, action="record") as g:
+        for i in range(3):
+            d(torch.randn(8, 3)).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 0:
+                d[2].running_mean.detach().numpy()[:] = 5.0   # then the next forward updates it
+                d[3].weight_u.detach().numpy()[:] = 1.0
+    assert sorted((e.path, e.kind) for e in g.report.events) == [("d.2.running_mean", "unobserved"),
+                                                                  ("d.3.weight_u", "unobserved")]

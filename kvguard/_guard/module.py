@@ -10,12 +10,27 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import types
 import weakref
 from typing import Any, Collection, Literal, Optional
 
 from kvguard._guard.guard import Guard
 from kvguard._guard.target import caller_name
+
+
+STEP_DIFF = ("values changed since the last optimizer step with no dispatched write (a numpy view, a raw "
+             "pointer, another thread?), found before this step would absorb it: the writing line is not known")
+STEP_DIFF_LIGHT = ("values changed since the last optimizer step, found before this step would absorb it "
+                   "(level='light' watches no op, so the writing line is not known: level='full' names it)")
+MEMORY_DIFF = "identity or memory changed since the last optimizer step with no dispatched op"
+
+
+def _digest(digest: Any) -> str:
+    try:
+        return f"{int(digest) & ((1 << 64) - 1):016x}"
+    except Exception:  # noqa: BLE001 - a device digest or a tuple: not worth a line
+        return ""
 
 
 class ModuleGuard(Guard):
@@ -49,6 +64,9 @@ class ModuleGuard(Guard):
             if live is not None:
                 live.converted(module)
         self._unwrap.append(_torch.on_module_conversion(converted))
+        if self.level != "full":  # no op is seen: the intended writes the stack would show, seen otherwise
+            self._unwrap.append(_watch_calls(self._protected))
+            self._unwrap.append(_on_load(converted))
         return self
 
     def add_optimizer(self, optimizer: Any, modules: list[tuple[str, Any]], loose: list[tuple[str, Any]]) -> None:
@@ -76,16 +94,93 @@ class ModuleGuard(Guard):
         return super().__exit__(exc_type, exc, tb)
 
     def stepping(self, optimizer: Any) -> Any:
-        """Called by the wrapped `step` of `optimizer` before it runs: its parameters step aside; returns
-        the token `stepped` takes after it (None: the guard is gone)."""
+        """Called by the wrapped `step` of `optimizer` before it runs: what changed in its parameters
+        since the last step with no op reporting it is reported (the step would absorb it; under
+        "raise" the step does not run), then they step aside; returns the token `stepped` takes
+        after it (None: the guard is gone)."""
         protected = self._protected
         if protected is None:
             return None
-        return protected.begin_step(p for group in optimizer.param_groups for p in group["params"])
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._report_changes(protected.step_changes(params))
+        return protected.begin_step(params)
+
+    def _report_changes(self, changes: list[Any]) -> None:
+        """Changes found at a step, as boundary findings located at the `step()` call; the writing
+        line is not known. Under "raise" the first raises (the change has happened)."""
+        if not changes:
+            return
+        from kvguard._engine.judge import unobserved_event
+        from kvguard._errors import MutationError
+        from kvguard._protect.frames import user_site
+        from kvguard._report.events import format_event
+
+        site = user_site()
+        events = [unobserved_event(c.entry, c.tensor, site, STEP_DIFF if self.level == "full" else STEP_DIFF_LIGHT,
+                                   f"digest at the last step {_digest(c.was)}") if c.kind == "values" else
+                  unobserved_event(c.entry, c.tensor, site, MEMORY_DIFF, c.was, c.now) for c in changes]
+        events = [e for e in events if not self._allowed(e)]
+        for event in events:
+            self._on_event(event, at_exit=True)
+        if events and self.action == "raise":
+            raise MutationError(format_event(events[0]), events[0], self.report)
 
     def stepped(self, token: Any) -> None:
         if token is not None and self._protected is not None:
             self._protected.end_step(token)
+
+
+def _watch_calls(protected: Any) -> Any:
+    """Level "light": note each module called (a forward pre-hook for every module, while the guard
+    is active), so that its own buffer updates are not reported (`ModuleSet._absorb_calls`)."""
+    import torch
+
+    called = protected.called = set()
+
+    def note(module: Any, args: Any) -> None:
+        called.add(id(module))
+    return torch.nn.modules.module.register_module_forward_pre_hook(note).remove
+
+
+_load_listeners: list[Any] = []
+_load_original: Any = None
+_torch_load_state_dict: Any = None  # the first method wrapped, kept for calls that outlive the undo
+_loading = threading.local()
+
+
+def _on_load(listener: Any) -> Any:
+    """Call `listener(module)` after each outermost `Module.load_state_dict`; returns the undo."""
+    import torch
+
+    global _load_original, _torch_load_state_dict
+    if not _load_listeners:
+        _load_original = torch.nn.Module.load_state_dict
+        _torch_load_state_dict = _torch_load_state_dict or _load_original
+        torch.nn.Module.load_state_dict = _load_state_dict  # type: ignore[method-assign]
+    _load_listeners.append(listener)
+
+    def remove() -> None:
+        global _load_original
+        if listener in _load_listeners:
+            _load_listeners.remove(listener)
+        if not _load_listeners and _load_original is not None:
+            torch.nn.Module.load_state_dict = _load_original  # type: ignore[method-assign]
+            _load_original = None
+    return remove
+
+
+def _load_state_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
+    # Called after the undo (someone kept the wrapped method): torch's own, as it was.
+    original = _load_original if _load_original is not None else _torch_load_state_dict
+    depth = getattr(_loading, "depth", 0)
+    _loading.depth = depth + 1
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        _loading.depth = depth
+        if depth == 0:
+            for listener in list(_load_listeners):
+                listener(self)
 
 
 def _wrap_step(optimizer: Any, guard: ModuleGuard) -> Any:

@@ -5,9 +5,11 @@ Every parameter and buffer of the guarded modules, named as `named_parameters()`
 a trainer means are not reported:
 
 - inside an optimizer's `step()` (`stepping`: the step's parameters leave the write
-  hook's memory for the step, so its writes cost nothing, then their digests start again);
+  hook's memory for the step, so its writes cost nothing, then their digests start again;
+  they are compared first, so that what changed since the last step is not absorbed);
 - inside `load_state_dict` of a guarded module (it exists to write weights);
-- a module's own `forward` updating its own buffers (batch norm's running statistics), and
+- a module's own `forward` updating its own buffers (batch norm's running statistics), or
+  its forward hooks doing so (the classic `spectral_norm`'s `weight_u`, `weight_v`), and
   one of torch.nn's modules updating its own parameters (an Embedding with `max_norm`);
 - DistributedDataParallel's own broadcasts of the guarded module's buffers and parameters.
 
@@ -25,7 +27,7 @@ from typing import Any, Iterable, NamedTuple, Optional, Sequence
 import torch
 
 from kvguard._protect.collector import collector_paused
-from kvguard._protect.entries import Entry
+from kvguard._protect.entries import Change, Entry
 from kvguard._protect.protected import ProtectedSet
 
 # Functions whose writes to a guarded module's weights are its own (any module of the guarded tree).
@@ -54,6 +56,14 @@ class ModuleSet(ProtectedSet):
         self._stepping: set[int] = set()  # ids of the entries an optimizer step is writing now
         self._guarded_modules: set[int] = set()  # ids of every module of the guarded trees
         self._step_sets: dict[tuple[int, ...], list[Entry]] = {}  # a step's parameters -> all it writes
+        # Level "light" only (no op is seen): ids of the modules called since the last comparison,
+        # whose own buffers their forward (or its hooks: spectral_norm) may have updated.
+        self.called: Optional[set[int]] = None
+        # Level "full": entries an intended write (batch norm's forward, a load) is writing, whose
+        # digests are taken again once it is done (at the next write looked at, step or boundary);
+        # and what changed in them, with no op reporting it, before that write would absorb it.
+        self._pending: dict[int, Entry] = {}
+        self._early: list[Change] = []
         super().__init__([], modules[0][0] if modules else "model", None, (), fingerprint=fingerprint)
 
     # -- entries ---------------------------------------------------------------------
@@ -163,7 +173,56 @@ class ModuleSet(ProtectedSet):
         """At a boundary the modules are read again (a parameter replaced or added), then compared."""
         with collector_paused():
             self._scan_now(None)
-        return super().boundary_changes(caller, rescan=False)
+        self._settle()
+        self._absorb_calls()
+        found = super().boundary_changes(caller, rescan=False)
+        early, self._early = self._early, []
+        return early + found
+
+    def _settle(self) -> None:
+        """The intended writes looked at so far are done: their entries' digests start again from now."""
+        if not self._pending:
+            return
+        pending = [e for e in self._pending.values() if e.ref() is not None]
+        self._pending.clear()
+        with collector_paused():
+            self.explain(pending)
+        for entry in pending:
+            entry.explained = not self._fingerprint
+
+    def _check_before(self, intended: list[Entry]) -> None:
+        """An intended write is about to change `intended`: what changed in them since their digests,
+        with no op reporting it, is found now (the write would hide it); their digests are taken
+        again once it is done (`_settle`)."""
+        fresh = [e for e in intended if id(e) not in self._pending and not e.explained]
+        if self._fingerprint and fresh:
+            with collector_paused():
+                found, moved = self._compare([(e, t) for e in fresh if (t := e.ref()) is not None])
+            self._early += found
+            if moved:
+                self._rebuild_index()
+        for entry in intended:
+            entry.explained = True  # until `_settle`: a boundary check meanwhile does not count it
+            self._pending[id(entry)] = entry
+
+    def _absorb_calls(self) -> None:
+        """Level "light": a module called since the last comparison may have updated its own buffers
+        (batch norm's statistics, spectral_norm's `weight_u`): their digests start again, with
+        no report. (Its parameters are compared: only an Embedding with `max_norm` writes its own.)"""
+        called = self.called
+        if not called:
+            return
+        own = []
+        for entry in self._entries.values():
+            ref = self._owner.get(id(entry))
+            owner = ref() if ref is not None else None
+            if owner is not None and id(owner) in called:
+                tensor = entry.ref()
+                if not isinstance(tensor, torch.nn.Parameter) or getattr(owner, "max_norm", None) is not None:
+                    own.append(entry)
+        called.clear()
+        with collector_paused():
+            self.explain(own)  # their digests start again from their values now
 
     # -- intended writes -------------------------------------------------------------
 
@@ -174,9 +233,27 @@ class ModuleSet(ProtectedSet):
 
         return _records.intervals(e.record for e in self._entries.values() if id(e) not in self._stepping)
 
-    def begin_step(self, tensors: Iterable[torch.Tensor]) -> list[Entry]:
-        """An optimizer step starts writing `tensors`: their entries, and the entries that share
-        their memory (a buffer aliasing a parameter), step aside until `end_step`."""
+    def step_changes(self, tensors: Sequence[torch.Tensor]) -> list[Change]:
+        """What changed, with no op reporting it, in what a step is about to write: the step takes
+        their digests again when it is done, so a change made since the last one (a numpy
+        view, a raw pointer) is found now or never."""
+        if not self._fingerprint:
+            return []
+        if self._released:
+            self.look()
+        self._settle()
+        self._absorb_calls()
+        stepping = self._step_entries(tensors)
+        with collector_paused():
+            found, moved = self._compare([(e, t) for e in stepping if (t := e.ref()) is not None])
+        if moved:
+            self._rebuild_index()
+        early, self._early = self._early, []
+        return early + found
+
+    def _step_entries(self, tensors: Iterable[torch.Tensor]) -> list[Entry]:
+        """The entries of `tensors`, and the entries that share their memory (a buffer aliasing a
+        parameter): what a step of theirs writes."""
         params = [e for t in tensors if (e := self.entry_of(t)) is not None]
         key = tuple(map(id, params))
         stepping = self._step_sets.get(key)
@@ -188,6 +265,12 @@ class ModuleSet(ProtectedSet):
                 if tensor is not None:
                     found.update((id(e), e) for e in self._memory.hits(tensor))
             stepping = self._step_sets[key] = list(found.values())
+        return stepping
+
+    def begin_step(self, tensors: Iterable[torch.Tensor]) -> list[Entry]:
+        """An optimizer step starts writing `tensors`: what it writes (`_step_entries`) steps aside
+        until `end_step`."""
+        stepping = self._step_entries(tensors)
         self.steps += 1
         self._stepping.update(map(id, stepping))
         if stepping:
@@ -203,14 +286,16 @@ class ModuleSet(ProtectedSet):
             self._rebuild_index()
 
     def written_entries(self, written: Sequence[torch.Tensor], kind: str, resizes: bool = False) -> list[Entry]:
+        if self._pending:
+            self._settle()  # the write looked at before this one is done
         hit = super().written_entries(written, kind, resizes)
         if self._stepping:
             hit = [e for e in hit if id(e) not in self._stepping]
         if not hit:
             return hit
         intended = self._intended(hit, sys._getframe(1))
-        for entry in intended:
-            entry.explained = True  # it will change: the next boundary check does not count it
+        if intended:
+            self._check_before(intended)
         return [e for e in hit if e not in intended]
 
     def _intended(self, hit: list[Entry], frame: Optional[types.FrameType]) -> list[Entry]:
@@ -232,12 +317,16 @@ class ModuleSet(ProtectedSet):
                     return hit  # DDP's broadcast of the module's buffers and parameters
                 if name == "forward" and owner is not None:
                     intended += [e for e in hit if e not in intended and owners.get(id(e)) is owner]
+                elif name == "_call_impl" and owner is not None:  # its hooks: spectral_norm's power iteration
+                    intended += [e for e in hit if e not in intended and owners.get(id(e)) is owner
+                                 and not isinstance(e.ref(), torch.nn.Parameter)]
             frame = frame.f_back
         return intended
 
     def converted(self, module: torch.nn.Module) -> None:
-        """`module` was converted (`to`, `half`...), re-pointing its weights with `p.data = ...`: a
-        write the trainer means. Its entries follow their memory and values from now on."""
+        """`module` was converted (`to`, `half`...), re-pointing its weights with `p.data = ...`, or
+        loaded (`load_state_dict`, seen so at level "light"): a write the trainer means. Its
+        entries follow their memory and values from now on."""
         if id(module) not in self._guarded_modules:
             return
         with collector_paused():
@@ -248,8 +337,8 @@ class ModuleSet(ProtectedSet):
 
     def close(self) -> None:
         self._stepping.clear()
+        self._pending.clear()
+        self._early = []
         self._owner.clear()
         self._roots = []
-                if id(owner) in modules and name == "_apply":
-                    return hit  # a conversion (`to`, `half`) re-points with `.data =`; `converted` follows
         super().close()
