@@ -357,3 +357,31 @@ def test_rrelu_in_training_is_clean_and_bitwise_the_same() -> None:
             e.mul_(2)  # a write to what rrelu saved is still a bug
         y.sum().backward()
     assert info.value.event.path in ("<saved by RreluWithNoiseBackward0: self>", "<saved by ExpBackward0: result>")
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_sparse_gradient_accumulation_with_retain_graph_is_not_a_write_to_the_saved_indices(mode: str) -> None:
+    """An EmbeddingBag's sparse gradient keeps the saved `indices` as its own; accumulating into
+    it builds new indices and moves no version counter autograd checks."""
+    def run() -> torch.Tensor:
+        torch.manual_seed(0)
+        bag = torch.nn.EmbeddingBag(10, 4, sparse=True, mode=mode)
+        out = bag(torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 4]))
+        for _ in range(2):
+            out.sum().backward(retain_graph=True)
+        out.sum().backward()
+        return bag.weight.grad.to_dense()
+
+    plain = run()
+    with kvguard.guard_autograd(action="raise") as g:
+        guarded = run()
+    assert g.report.ok and torch.equal(plain, guarded)
+    x = torch.randn(10, 4, requires_grad=True)
+    with kvguard.guard_autograd(action="raise"):
+        out = torch.nn.functional.embedding_bag(torch.tensor([1, 2]), x, torch.tensor([0]), sparse=True)
+        y = torch.randn(2, 4, requires_grad=True).exp()  # saves its result
+        sparse = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), y.detach(), (10, 4),  # y's memory as values
+                                         check_invariants=True)
+        with pytest.raises(kvguard.MutationError):
+            sparse.mul_(2)  # scales the values: what exp saved
+        del out

@@ -335,6 +335,8 @@ class SavedSet(ProtectedSet):
         views share one version counter, so autograd's check at backward fails all the same.
         """
         self.counter_only = frozenset()
+        if kind == "write" and any(t.layout == torch.sparse_coo for t in written):
+            written = [_values_of(t) for t in written]
         hit = super().written_entries(written, kind, resizes)
         if not hit:
             # A metadata or re-pointing op (`t_`, `unsqueeze_`, `set_`, `detach_`) changes a tensor
@@ -424,6 +426,20 @@ class SavedSet(ProtectedSet):
         self._pending.clear()
         self._roots.clear()
         super().close()
+
+
+def _values_of(tensor: torch.Tensor) -> torch.Tensor:
+    """What a value write to `tensor` can change of a saved tensor: a sparse COO tensor's values.
+
+    Its indices may be a saved tensor's memory (an embedding's sparse gradient keeps the
+    saved `indices`); accumulating into it builds new indices, and no version counter that
+    autograd checks moves.
+    """
+    try:
+        parts = _torch.sparse_parts(tensor)
+    except Exception:  # noqa: BLE001 - a subclass without parts: judged whole
+        return tensor
+    return parts[-1] if parts else tensor
 
 
 def _memory_key(entry: Entry) -> Any:
