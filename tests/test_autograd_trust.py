@@ -385,3 +385,22 @@ def test_sparse_gradient_accumulation_with_retain_graph_is_not_a_write_to_the_sa
         with pytest.raises(kvguard.MutationError):
             sparse.mul_(2)  # scales the values: what exp saved
         del out
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_a_write_to_a_saved_nested_tensor_fails_backward_with_pytorchs_error() -> None:
+    def nested() -> torch.Tensor:
+        return torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)], requires_grad=True)
+
+    with kvguard.guard_autograd(action="record") as g:
+        z = nested().tanh()  # saves its result
+        z.mul_(2)  # let through
+        with pytest.raises(RuntimeError, match=TORCH_SAYS) as info:
+            torch.nested.to_padded_tensor(z, 0).sum().backward()
+    assert "nested [2, 3], [4, 3]" in str(info.value) and "Internal error" not in str(info.value)
+    assert [e.lineno for e in g.report.events] == [_line("z.mul_(2)  # let through")]
+    with kvguard.guard_autograd(action="raise"):
+        z = nested().tanh()
+        with pytest.raises(kvguard.MutationError):
+            z.mul_(2)
+        assert z._version == 0  # stopped before the write (nested tanh has no backward kernel to run)

@@ -264,7 +264,7 @@ class SavedSet(ProtectedSet):
         tensor = saved.tensor
         node = _torch.current_autograd_node()
         name = type(node).__name__ if node is not None else "its node"
-        head = (f"{TORCH_CHECK}: [{_type_text(tensor)} {list(tensor.shape)}], which {name} saved, is at version "
+        head = (f"{TORCH_CHECK}: [{_type_text(tensor)} {_shape_text(tensor)}], which {name} saved, is at version "
                 f"{tensor._version}; expected version {saved.version} instead. {TORCH_HINT}")
         where = f" at {_site_text(saved.site)}" if saved.site else ""
         if saved.writes:
@@ -516,6 +516,17 @@ def _site_text(site: tuple[str, int]) -> str:
 
 _SITE_TEXT: dict[tuple[str, int], str] = {}
 _UNNAMED = SAVED_PREFIX + "…>"  # until a report names the saving node
+
+
+def _shape_text(tensor: torch.Tensor) -> str:
+    """`[4, 3]`; a nested tensor (which has no sizes) as its components' shapes."""
+    try:
+        return str(list(tensor.shape))
+    except Exception:  # noqa: BLE001 - NestedTensorImpl refuses sizes()
+        try:
+            return "nested " + ", ".join(str(list(t.shape)) for t in tensor.unbind())
+        except Exception:  # noqa: BLE001
+            return "(shape unknown)"
 
 
 def _type_text(tensor: torch.Tensor) -> str:
