@@ -51,8 +51,19 @@ SLOTTED = textwrap.dedent("""
             ref = torch.nn.Linear(3, 2); ref.load_state_dict(sd)
             ref.weight.data.mul_(0.5)
 
+    def unfreeze():                     # a group added later (an adapter): watched from then on
+        model = torch.nn.Linear(3, 4)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        adapter = torch.nn.Linear(4, 2)
+        opt.add_param_group({"params": adapter.parameters(), "lr": 1e-3})
+        adapter(model(torch.randn(5, 3))).sum().backward(); opt.step()
+        adapter.weight.detach().numpy()[0, 0] = 9.0
+        opt.step()                      # finds the numpy write before absorbing it
+        with torch.no_grad(): adapter.bias.add_(1)
+
     Slotted().train()
     Holder().stray()
+    unfreeze()
     Hostile.train(object.__new__(Hostile))
     Loader().load(torch.nn.Linear(3, 2).state_dict())
     print("done")
@@ -69,9 +80,11 @@ def test_frames_without_dict_are_searched_under_the_env_switch(tmp_path: Path) -
     for headline in ("m.weight was modified in place by aten.add_.Tensor at slotted.py:9",
                      "self.model.0.bias was modified in place by aten.mul_.Tensor at slotted.py:17",
                      "m.bias was modified in place by aten.zero_.default at slotted.py:24",
-                     "ref.weight was modified in place by aten.mul_.Tensor at slotted.py:30"):
+                     "ref.weight was modified in place by aten.mul_.Tensor at slotted.py:30",
+                     "slotted.py:39 (no dispatched op): 1 write to adapter.weight in 1 call",
+                     "adapter.bias was modified in place by aten.add_.Tensor at slotted.py:40"):
         assert headline in err, err
-    assert "weights: 8 parameters and buffers watched over 1 optimizer step, 4 writes at 4 sites" in err
+    assert "weights: 12 parameters and buffers watched over 3 optimizer steps, 6 writes at 6 sites" in err
 
 
 PYTEST_INNER = textwrap.dedent("""

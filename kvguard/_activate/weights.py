@@ -4,7 +4,7 @@ Two ways in, wrapped once torch loads:
 
 - `torch.optim.Optimizer.__init__`: each optimizer adds the modules that hold its
   parameters, named as the caller's variables name them (`model`, `self.actor`), and has
-  its `step` wrapped;
+  its `step` wrapped; so does each group `add_param_group` adds to it later;
 - `torch.nn.Module.load_state_dict`: a module that no optimizer owns (an inference-side
   model, a rollout engine's copy) is protected from its first load on, so that a write to
   its weights between loads is reported. Weight-sync functions that write them on purpose
@@ -21,12 +21,14 @@ import functools
 import os
 import sys
 import threading
+import weakref
 from typing import Any, Optional
 
 from kvguard._state import STATE
 from kvguard._text import plural, say
 
 _FRAMES = 12  # caller frames searched for the modules that hold an optimizer's parameters
+_watched: weakref.WeakSet[Any] = weakref.WeakSet()  # the optimizers the weights guard holds
 _unwatched: list[str] = []  # what could not be watched, for the exit line: `SGD made at train.py:5`
 _stderr_fd: Optional[int] = None  # the process's stderr as it was at start-up (before any capture)
 
@@ -59,6 +61,7 @@ def install(settings: Any) -> None:
         __init__._kvguard_weights = True  # type: ignore[attr-defined]
         optimizer_class.__init__ = __init__
         STATE.undo.append(lambda: setattr(optimizer_class, "__init__", original))
+        _patch_groups(optimizer_class, settings)
         _patch_loads(torch.nn.Module, settings)
     wrapt.register_post_import_hook(patch, "torch")
     from kvguard._activate.process_guards import end_at_the_users_line
@@ -106,6 +109,28 @@ def _guard(settings: Any) -> Any:
 def _register(optimizer: Any, settings: Any, frame: Any) -> None:
     modules, loose = _holders(optimizer, frame)
     _guard(settings).add_optimizer(optimizer, modules, loose)
+    _watched.add(optimizer)
+
+
+def _patch_groups(optimizer_class: Any, settings: Any) -> None:
+    """A parameter group added to a watched optimizer later (`add_param_group`: a head unfrozen, a
+    LoRA adapter) is watched from then on, its modules found and named as at the optimizer's making."""
+    original = optimizer_class.add_param_group
+
+    @functools.wraps(original)
+    def add_param_group(self: Any, *args: Any, **kwargs: Any) -> Any:
+        before = len(self.param_groups) if self in _watched else None  # not yet while `__init__` runs
+        result = original(self, *args, **kwargs)
+        if before is not None:
+            try:
+                modules, loose = _holders(self, sys._getframe(1), list(range(before, len(self.param_groups))))
+                _guard(settings).add_params(self, modules, loose)
+            except Exception as exc:  # noqa: BLE001 - a debug switch must not kill the job
+                _cannot_watch(self, exc)
+        return result
+
+    optimizer_class.add_param_group = add_param_group
+    STATE.undo.append(lambda: setattr(optimizer_class, "add_param_group", original))
 
 
 def _candidates(frame: Any) -> list[tuple[str, Any]]:
@@ -226,10 +251,13 @@ def _name_of(module: Any, frame: Any) -> str:
                 type(module).__name__)
 
 
-def _holders(optimizer: Any, frame: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
-    """The modules in the caller's frames that hold the optimizer's parameters (the largest first),
-    named as the code names them; and the parameters none holds, named by their group."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+def _holders(optimizer: Any, frame: Any, groups: Optional[list[int]] = None
+             ) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """The modules in the caller's frames that hold the optimizer's parameters (of `groups`, by
+    index; default all) (the largest first), named as the code names them; and the parameters
+    none holds, named by their group."""
+    chosen_groups = range(len(optimizer.param_groups)) if groups is None else groups
+    params = [p for g in chosen_groups for p in optimizer.param_groups[g]["params"]]
     wanted = {id(p) for p in params}
     candidates = _candidates(frame)
     sized = sorted(((sum(1 for _ in m.parameters()), n, m) for n, m in candidates), key=lambda c: -c[0])
@@ -241,7 +269,7 @@ def _holders(optimizer: Any, frame: Any) -> tuple[list[tuple[str, Any]], list[tu
             chosen.append((name, module))
             covered |= ids
     loose = [(f"{type(optimizer).__name__}.param_groups[{g}]['params'][{i}]", p)
-             for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])
+             for g in chosen_groups for i, p in enumerate(optimizer.param_groups[g]["params"])
              if id(p) not in covered]
     return chosen, loose
 

@@ -78,6 +78,11 @@ class ModuleGuard(Guard):
         self._unwrap.append(_wrap_step(optimizer, self))
         weakref.finalize(optimizer, self._optimizer_freed, id(optimizer))
 
+    def add_params(self, optimizer: Any, modules: list[tuple[str, Any]], loose: list[tuple[str, Any]]) -> None:
+        """Parameters added to a watched optimizer (`add_param_group`): protected for it as its others."""
+        if self._protected is not None:
+            self._protected.add(modules, loose, holder=id(optimizer))
+
     def _optimizer_freed(self, key: int) -> None:
         if self._protected is not None:
             self._protected.holder_gone(key)
