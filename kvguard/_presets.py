@@ -32,6 +32,10 @@ NeMo-RL (https://github.com/NVIDIA-NeMo/RL, commit 7ea279abfbeb698b092856d0dab61
 2026-08-22): nemo_rl/algorithms/advantage_estimator.py
     GRPOAdvantageEstimator / ReinforcePlusPlusAdvantageEstimator (both since v0.6.0) /
     GeneralizedAdvantageEstimator (since v0.7.0) .compute_advantage(self, prompt_ids, rewards, mask, ...)
+    nemo_rl/algorithms/grpo.py  _apply_message_level_advantage_penalties(train_data, message_logs, ...)
+        (since v0.7.0): its span writes to train_data['advantages'] are by design and allowed; up to
+        34d32bfa5965 they went through advantages expanded from per-sample values (#2787, fixed by
+        09b63d9bd: clone first), which a write through shared elements reports even where allowed.
 
 Version drift is expected: a preset function missing from the installed version (a module
 that does not exist, a function or method that is gone, an argument renamed) is one
@@ -59,6 +63,7 @@ class Function:
     since: str = ""  # the first release that has it, when the framework is older than that
     also: tuple[tuple[str, str], ...] = ()  # (target, where) of the same function in older releases
     allow: str = ""  # KVGUARD_ALLOW value for writes the framework makes on purpose
+    intended: tuple[str, ...] = ()  # paths it writes by design: allowed in its guard with no setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +87,7 @@ class PresetTarget(Target):
 
     preset: str = ""
     slot: str = ""  # the preset function's target at the preset's commit; older locations share it
+    intended: tuple[str, ...] = ()  # allow= patterns its guard gets (`Function.intended`)
 
 
 SLIME_COMMIT = "624b824a898ab0ec1fcb4d373004c7f3852bf515"
@@ -158,8 +164,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         )),
     Preset(
         "nemo-rl", "NeMo-RL", "nemo_rl", "nemo-rl", "NVIDIA-NeMo/RL", NEMO_RL_COMMIT, "2026-08-22",
-        "rewards: the per-sample reward tensor (repeated_batch['total_reward'])",
-        tuple(
+        "rewards: the per-sample reward tensor (repeated_batch['total_reward']); train_data: the training "
+        "batch (a BatchedDataDict: advantages, token masks, log-probabilities, ...)",
+        (*(
             Function(
                 f"nemo_rl.algorithms.advantage_estimator:{cls}.compute_advantage(rewards)",
                 "nemo_rl/algorithms/advantage_estimator.py",
@@ -173,6 +180,14 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                 ("GeneralizedAdvantageEstimator", "PPO/GAE: token-level rewards from rewards, KL "
                  "and the critic's values", "v0.7.0"),
             )
+        ), Function(
+            "nemo_rl.algorithms.grpo:_apply_message_level_advantage_penalties(train_data)",
+            "nemo_rl/algorithms/grpo.py",
+            "overwrites the advantages of flagged assistant-message spans in place, on purpose; GRPO may "
+            "hand it advantages expanded from per-sample values (stride 0 over tokens), so a one-token "
+            "span write changed the whole row, the per-sample tensor and, for the raw-reward estimator, "
+            "the rewards (NVIDIA-NeMo/RL #2787, fixed by 09b63d9bd: clone first)",
+            since="v0.7.0", intended=("train_data['advantages']",)),
         )),
 )}
 
@@ -197,7 +212,8 @@ def expand(name: str, source: str) -> tuple[PresetTarget, ...]:
     for function in preset.functions:
         for spelled in (function.target, *(where for where, _ in function.also)):
             target = parse_target(spelled, f"preset {preset.name}")
-            out.append(PresetTarget(target.module, target.qualname, target.argname, preset.name, function.target))
+            out.append(PresetTarget(target.module, target.qualname, target.argname, preset.name, function.target,
+                                    function.intended))
     return tuple(out)
 
 
@@ -259,6 +275,10 @@ def describe(names: Iterable[str] = (), width: int = 100) -> str:
             rows.append(("why", function.why))
             if function.allow:
                 rows.append(("allow", f"writes the framework makes on purpose: KVGUARD_ALLOW={function.allow!r}"))
+            if function.intended:
+                rows.append(("allowed", "writes it makes by design, allowed with no setting (a write through "
+                                        "elements an expand made share is still reported): "
+                                        + ", ".join(function.intended)))
             for key, text in rows:
                 head.extend(textwrap.wrap(text, width, initial_indent=f"    {key:<7}", subsequent_indent=" " * 11,
                                           break_on_hyphens=False, break_long_words=False))

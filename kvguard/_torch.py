@@ -565,6 +565,56 @@ def merge_intervals(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
+MAX_ALIAS_ELEMENTS = 1 << 24  # logical elements an alias count reads at most
+
+
+def shares_elements(t: torch.Tensor) -> bool:
+    """Whether some of `t`'s logical elements share memory: a dim of stride 0 and size > 1
+    (`expand`, `broadcast_to`). A write to one of them changes all that share it."""
+    try:
+        return t.layout == _STRIDED and not t.is_nested and any(
+            s == 0 and n > 1 for n, s in zip(t.shape, t.stride()))
+    except Exception:  # noqa: BLE001 - an unusual tensor has no such dims
+        return False
+
+
+def aliased_count(t: torch.Tensor, written: Sequence[torch.Tensor]) -> Optional[tuple[int, int]]:
+    """(logical elements of `t` a write to `written` changes, elements the write names), for a
+    `t` whose elements share memory; None where it cannot be told (not one storage, too large).
+
+    Counted exactly, on `t`'s device: an element of `t` changes when any byte of it is a byte
+    of a written element. Runs only when a write hits such a tensor; it synchronises there.
+    """
+    try:
+        if t.numel() > MAX_ALIAS_ELEMENTS or not shares_elements(t):
+            return None
+        base = t.untyped_storage().data_ptr()
+        starts = _byte_starts(t)
+        changed = torch.zeros(starts.shape, dtype=torch.bool, device=starts.device)
+        named = 0
+        for w in written:
+            if (w.layout != _STRIDED or w.is_nested or w.device != t.device
+                    or w.untyped_storage().data_ptr() != base or w.numel() > MAX_ALIAS_ELEMENTS):
+                continue
+            size = w.element_size()
+            named += w.numel()
+            written_bytes = (_byte_starts(w).unsqueeze(-1) + torch.arange(size, device=t.device)).reshape(-1)
+            for k in range(t.element_size()):
+                changed |= torch.isin(starts + k, written_bytes)
+        return (int(changed.sum()), named) if named else None
+    except Exception:  # noqa: BLE001 - no count: the write is reported as a plain write
+        return None
+
+
+def _byte_starts(t: torch.Tensor) -> torch.Tensor:
+    """Each logical element's first byte, from the start of its storage (int64, `t`'s device)."""
+    size = t.element_size()
+    out = torch.tensor(t.storage_offset() * size, dtype=torch.int64, device=t.device)
+    for n, s in zip(t.shape, t.stride()):
+        out = out.unsqueeze(-1) + torch.arange(n, dtype=torch.int64, device=t.device) * (s * size)
+    return out.reshape(-1)
+
+
 def memory_order(t: torch.Tensor) -> Optional[tuple[int, ...]]:
     """A permutation of `t`'s dims whose row-major order never steps back in memory.
 
@@ -701,11 +751,6 @@ def on_swap_tensors(listener: SwapListener) -> Callable[[], None]:
     return remove
 
 
-_conversion_listeners: list[Callable[[Any], None]] = []
-_apply_original: Any = None
-
-
-def on_module_conversion(listener: Callable[[Any], None]) -> Callable[[], None]:
 # `t.data = other` dispatches nothing either (it swaps the TensorImpl's storage and
 # metadata in C). While a guard is active, `torch.Tensor.data` is a property whose setter
 # tells the listeners first; its getter is torch's own. Removed with the last listener.
@@ -751,6 +796,11 @@ def data_is_watched() -> bool:
     return torch.Tensor.__dict__.get("data") is _DATA_PROPERTY
 
 
+_conversion_listeners: list[Callable[[Any], None]] = []
+_apply_original: Any = None
+
+
+def on_module_conversion(listener: Callable[[Any], None]) -> Callable[[], None]:
     """Call `listener(module)` after each outermost `Module._apply` (`to`, `half`, `float`, `cpu`,
     `cuda`...): it re-points parameters with `p.data = ...`, which no dispatched op shows.
     Returns the undo."""

@@ -58,8 +58,8 @@ def test_a_name_without_a_colon_is_a_preset() -> None:
 def test_presets_and_explicit_targets_mix() -> None:
     targets = parse_targets("myrl.loss:f(rollout_data), nemo-rl ,slime")
     assert type(targets[0]) is Target and str(targets[0]) == "myrl.loss:f(rollout_data)"
-    assert [t.preset for t in targets[1:] if isinstance(t, PresetTarget)] == ["nemo-rl"] * 3 + ["slime"] * 3
-    assert len(targets) == 7
+    assert [t.preset for t in targets[1:] if isinstance(t, PresetTarget)] == ["nemo-rl"] * 4 + ["slime"] * 3
+    assert len(targets) == 8
 
 
 def test_an_explicit_target_wins_over_the_preset_entry_for_the_same_function() -> None:
@@ -126,6 +126,8 @@ RECORDED = {
         ["self", "prompt_ids", "rewards", "mask", "logprobs_policy", "logprobs_reference", "**kwargs"],
     "nemo_rl.algorithms.advantage_estimator:GeneralizedAdvantageEstimator.compute_advantage":
         ["self", "prompt_ids", "rewards", "mask", "values", "reference_logprobs", "logprobs", "**kwargs"],
+    "nemo_rl.algorithms.grpo:_apply_message_level_advantage_penalties":
+        ["train_data", "message_logs", "invalid_tool_call_advantage", "malformed_thinking_advantage", "log_config"],
 }
 WHEELS = {"verl": "verl==0.9.1", "openrlhf": "openrlhf==0.11.2"}
 
@@ -353,6 +355,30 @@ def test_openrlhf_intended_penalty_writes_are_allowed_as_the_preset_says() -> No
     assert "kvguard.MutationError: experiences[0].rewards would be modified in place by aten.add_.Tensor" in result.stderr
 
 
+def test_nemo_rl_span_writes_through_expanded_advantages_are_caught_where_allowed(tmp_path: Path) -> None:
+    """NVIDIA-NeMo/RL #2787 (up to 34d32bfa5965): the penalties wrote one-token spans of advantages
+    expanded from per-sample values, changing the whole row; `nemo-rl` alone catches it at the line."""
+    root = variant(tmp_path, "nemo_rl", {"algorithms/grpo.py": (
+        "advantages = advantages.clone()  # 09b63d9bd: the expanded view shares one value per row",
+        "pass  # 34d32bfa5965: no clone, the span writes go through the expanded view")})
+    bug = line_of(root / "nemo_rl" / "algorithms" / "grpo.py", "= invalid_tool_call_advantage  # the span write")
+    result = run(JOBS / "nemo_rl_penalties.py", env={"KVGUARD": "raise", "KVGUARD_TARGETS": "nemo-rl"}, path=root)
+    assert result.returncode == 1 and "advantages [" not in result.stdout
+    assert ("kvguard.MutationError: train_data['advantages'] would be modified in place through elements that "
+            f"share memory by aten.fill_.Tensor at grpo.py:{bug}") in result.stderr, result.stderr
+    assert ("  shared   a write naming 1 element changes 4: this tensor's elements share memory (a dimension of "
+            "stride 0, from expand), so a write to one changes every element sharing it\n") in result.stderr
+
+
+def test_nemo_rl_span_writes_after_the_fix_are_allowed_with_no_setting() -> None:
+    result = run(JOBS / "nemo_rl_penalties.py", env={"KVGUARD": "raise", "KVGUARD_TARGETS": "nemo-rl"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("advantages [[0.5, -5.0, 0.5, 0.5], ")
+    assert ("kvguard: nemo_rl.algorithms.grpo:_apply_message_level_advantage_penalties(train_data): 1 guarded call, "
+            "4 tensors protected, no in-place writes, 2 allowed\n"
+            "  allowed: 2 writes by allow=train_data['advantages']\n") in result.stderr
+
+
 OLD_VERSIONS_JOB = """
     import torch
     from verl.protocol import DataProto
@@ -418,6 +444,7 @@ def test_a_framework_not_imported_or_not_running_here_is_one_line_per_preset(tmp
         "(they run in another process?)",
         "kvguard: preset verl: this process never imported verl, so none of its 3 functions was guarded here",
         "kvguard: preset nemo-rl guarded nothing here: this process imported nemo_rl but not "
-        "nemo_rl.algorithms.advantage_estimator, where its functions are (they run in another process?)",
+        "nemo_rl.algorithms.advantage_estimator, nemo_rl.algorithms.grpo, where its functions are (they run "
+        "in another process?)",
         "kvguard: target myrl.loss:f was never imported (no module named 'myrl')",
     ]

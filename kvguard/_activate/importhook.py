@@ -109,8 +109,8 @@ def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: An
             for stats in target_tallies(label):
                 stats.unguarded_calls += 1
             return None
-        return Guard(value, name=target.argname, action=action, keys=keys, ignore=ignore, allow=allow,
-                     target=label, level=level)
+        return Guard(value, name=target.argname, action=action, keys=keys, ignore=ignore,
+                     allow=allow + getattr(target, "intended", ()), target=label, level=level)
 
     def finish(g: Guard) -> None:
         PROCESS.target_stats(label).keys_seen.update(g.keys_seen)

@@ -30,6 +30,8 @@ MEMORY_DIFF = "identity or memory changed with no dispatched op (k.data = ..., o
 DRIFT_DIFF = ("values changed before this line's write with no dispatched write: a numpy view, a raw pointer, "
               "another thread or a compiled kernel?")
 META_VALUES = "(a meta tensor holds no data)"
+ALIAS_DIFF = ("a write naming {named} element{s} changes {changed}: this tensor's elements share memory "
+              "(a dimension of stride 0, from expand), so a write to one changes every element sharing it")
 META_DIFF = "values not compared: a meta tensor holds no data (the write covers some of its elements)"
 _COPY = torch.ops.aten.copy_.default
 # What a write's report compares against: the values it could change, copied just before
@@ -122,13 +124,14 @@ class WriteJudge:
         protected.settle()  # the report names every path to the tensor, as of now
         site = _frames.user_site()
         counter_only = protected.counter_only  # saved tensors whose version counter alone it bumps
+        aliased = _aliased(protected, hit, written) if facts.kind == "write" else {}
         for entry in protected.drifted(hit):  # changed since the last look, by nothing we saw:
             self.on_event(unobserved_event(entry, protected.tensor_of(entry), site, DRIFT_DIFF,
                                            before="(a digest)"), True)  # too late to stop: never raised
         if self.block:
             for entry in hit:
-                self.on_event(self._event(func, _kind(facts, entry, counter_only), entry, site, blocked=True),
-                              not stop)
+                self.on_event(self._event(func, _kind(facts, entry, counter_only, aliased), entry, site,
+                                          blocked=True, alias=aliased.get(id(entry))), not stop)
             if not stop:
                 return None
             # The callback chose not to stop the write: fall through and report it.
@@ -152,13 +155,15 @@ class WriteJudge:
             for entry in landed:
                 if facts.kind != "write":
                     protected.relayout(entry)
-                self.on_event(self._event(func, _kind(facts, entry, counter_only), entry, site, blocked=False,
-                                          before_meta=before_meta.get(id(entry)), copy=copies.pop(id(entry), None)))
+                self.on_event(self._event(func, _kind(facts, entry, counter_only, aliased), entry, site, blocked=False,
+                                          before_meta=before_meta.get(id(entry)), copy=copies.pop(id(entry), None),
+                                          alias=aliased.get(id(entry))))
 
         def stopped() -> None:
             copies.clear()  # nothing landed
             for entry in hit:
-                self.on_event(self._event(func, _kind(facts, entry, counter_only), entry, site, blocked=True), True)
+                self.on_event(self._event(func, _kind(facts, entry, counter_only, aliased), entry, site, blocked=True,
+                                          alias=aliased.get(id(entry))), True)
         return PendingWrite(after, stopped)
 
     def on_swap(self, t1: torch.Tensor, t2: torch.Tensor) -> Callable[[bool], None]:
@@ -205,8 +210,12 @@ class WriteJudge:
         return after
 
     def _event(self, func: Any, kind: str, entry: Entry, site: _frames.Site, blocked: bool,
-               before_meta: Optional[str] = None, copy: Optional[_Copy] = None) -> MutationEvent:
-        """The event for one protected entry; its summaries never raise (see `diff`)."""
+               before_meta: Optional[str] = None, copy: Optional[_Copy] = None,
+               alias: Optional[tuple[int, int]] = None) -> MutationEvent:
+        """The event for one protected entry; its summaries never raise (see `diff`).
+
+        `alias`: (elements changed, elements named) of a write into an entry whose elements
+        share memory (kind "alias")."""
         tensor = self.protected.tensor_of(entry)
         described = _describe(tensor)
         if blocked:
@@ -216,10 +225,10 @@ class WriteJudge:
         elif kind == "version":
             before = after = _values(tensor)
             diff = "no saved element changed"
-        elif kind == "write" and _is_meta(tensor):
+        elif kind in ("write", "alias") and _is_meta(tensor):
             before = after = META_VALUES
             diff = META_DIFF
-        elif kind == "write":
+        elif kind in ("write", "alias"):
             # Show the values where this write starts changing them, not just the first few.
             values, ranges = copy if copy is not None else (None, None)
             if tensor is None:
@@ -235,6 +244,10 @@ class WriteJudge:
             after = described
             diff = "metadata only: the values were not written" if kind == "metadata" else (
                 "the tensor now refers to other memory (its values are no longer the guarded ones)")
+        if alias is not None:
+            changed, named = alias
+            shared = ALIAS_DIFF.format(changed=changed, named=named, s="" if named == 1 else "s")
+            diff = shared if blocked else f"{shared}; {diff}"
         event = MutationEvent(
             path=entry.path, op=_torch.short_op_name(func), kind=kind, blocked=blocked,
             filename=site.filename, lineno=site.lineno, code=site.code, function=site.function,
@@ -255,8 +268,24 @@ def _nothing() -> None:
     pass
 
 
-def _kind(facts: _torch.OpFacts, entry: Entry, counter_only: frozenset[int]) -> str:
-    return "version" if id(entry) in counter_only else facts.kind
+def _kind(facts: _torch.OpFacts, entry: Entry, counter_only: frozenset[int],
+          aliased: dict[int, tuple[int, int]]) -> str:
+    if id(entry) in counter_only:
+        return "version"
+    return "alias" if id(entry) in aliased else facts.kind
+
+
+def _aliased(protected: ProtectedSet, hit: list[Entry], written: Sequence[torch.Tensor]) -> dict[int, tuple[int, int]]:
+    """The entries whose elements share memory (an `expand`ed tensor) that this write changes
+    in more logical elements than it names: (changed, named) by entry id."""
+    found: dict[int, tuple[int, int]] = {}
+    for entry in hit:
+        tensor = protected.tensor_of(entry)
+        if tensor is not None and _torch.shares_elements(tensor):
+            count = _torch.aliased_count(tensor, written)
+            if count is not None and count[0] > count[1]:
+                found[id(entry)] = count
+    return found
 
 
 def unobserved_event(entry: Entry, tensor: Optional[torch.Tensor], site: _frames.Site, diff: str,

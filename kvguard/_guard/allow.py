@@ -80,6 +80,12 @@ class Allowlist:
         self._compiled = [(p, matcher(p)) for p in self.patterns if not _SCOPE.match(p)]
         self._scopes = [(p, m.group(1), m.group(2)) for p in self.patterns if (m := _SCOPE.match(p))]
 
+    @staticmethod
+    def block_reason() -> Optional[str]:
+        """Why every write now is allowed (inside `kvguard.allow('...')`), or None."""
+        given = _reason.get()
+        return f"kvguard.allow({given!r})" if given is not None else None
+
     def reason(self, path: str) -> Optional[str]:
         """Why a write to `path` is allowed (`allow=PATTERN`, `kvguard.allow('...')`), or None."""
         given = _reason.get()

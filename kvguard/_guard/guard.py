@@ -286,8 +286,12 @@ class Guard:
         return events
 
     def _allowed(self, event: MutationEvent) -> bool:
-        """Whether the write is intended (`allow=`, `kvguard.allow`); counted once it has happened."""
-        allowed = self.allow.reason(event.path)
+        """Whether the write is intended (`allow=`, `kvguard.allow`); counted once it has happened.
+
+        A write through shared elements (`kind="alias"`) is intended only inside a
+        `kvguard.allow` block: an allowed path or writer names the elements a user meant to
+        write, not the ones an `expand` made share them."""
+        allowed = self.allow.block_reason() if event.kind == "alias" else self.allow.reason(event.path)
         if allowed is None:
             return False
         if not event.blocked:

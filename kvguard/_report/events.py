@@ -59,6 +59,7 @@ class MutationEvent:
             "write": "modified in place",
             "metadata": "reshaped in place (metadata only)",
             "repoint": "re-pointed to other memory",
+            "alias": "modified in place through elements that share memory",
         }.get(self.kind, "modified in place")
         return f"{self.path} {verb} {what} by {self.op} at {self.site}"
 
@@ -120,10 +121,12 @@ def event_details(ev: MutationEvent) -> list[tuple[str, str]]:
         rows.append(("saved at" if saved else "placed", ev.placed_at))
     if saved:
         rows.append(("backward", SAVED_COUNTER if ev.kind == "version" else SAVED_WRITE))
+    if ev.blocked and ev.kind == "alias":
+        rows.append(("shared", ev.diff))
     if ev.blocked:
         rows += [("values", ev.before), ("action", "raised before the write; the data is intact"),
                  ("hint", HINT)]
-    elif ev.kind in ("write", "version"):
+    elif ev.kind in ("write", "version", "alias"):
         rows += [("before", ev.before), ("after", ev.after or ""), ("changed", ev.diff)]
     else:
         rows += [("before", ev.before), ("after", ev.after or ""), ("note", ev.diff)]
