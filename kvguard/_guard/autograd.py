@@ -4,9 +4,10 @@ A `Guard` whose protected set is `kvguard._protect.saved.SavedSet`, fed by a pai
 `saved_tensors_hooks` installed for the block. Where other saved-tensor hooks are already
 active (`save_on_cpu`, checkpointing, `allow_mutation_on_saved_tensors`), backward reads
 what they kept, not the tensors: the guard installs nothing and protects nothing, and
-says so. Hooks installed inside the block take over for their own stretch, as they
-would without kvguard. `torch.func`'s transforms refuse saved-tensor hooks: inside one,
-the guard's are set aside (see `_torch.let_func_transforms_run`).
+says so. Hooks installed inside the block (checkpointing, `save_on_cpu`, offloading) are
+composed with the guard's (`saved.Composed`), since hooks do not nest; those that
+`torch.compile` inlines are left alone and counted. `torch.func`'s transforms refuse
+saved-tensor hooks: inside one, the guard's are set aside (see `_torch.let_func_transforms_run`).
 """
 
 from __future__ import annotations
