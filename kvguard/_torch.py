@@ -796,14 +796,19 @@ def data_is_watched() -> bool:
     return torch.Tensor.__dict__.get("data") is _DATA_PROPERTY
 
 
-_conversion_listeners: list[Callable[[Any], None]] = []
+ConversionListener = Callable[[Any, Any], Callable[[], None]]  # (module, fn) -> after
+_conversion_listeners: list[ConversionListener] = []
 _apply_original: Any = None
+_MODULE_FILE = torch.nn.modules.module.__file__
+# Module's methods whose `_apply` changes dtype or device (or shares memory), never values.
+_CONVERSIONS = frozenset({"to", "cuda", "cpu", "xpu", "ipu", "mtia", "type", "float", "double", "half",
+                          "bfloat16", "share_memory"})
 
 
-def on_module_conversion(listener: Callable[[Any], None]) -> Callable[[], None]:
-    """Call `listener(module)` after each outermost `Module._apply` (`to`, `half`, `float`, `cpu`,
-    `cuda`...): it re-points parameters with `p.data = ...`, which no dispatched op shows.
-    Returns the undo."""
+def on_module_conversion(listener: ConversionListener) -> Callable[[], None]:
+    """Call `listener(module, fn)` before each outermost `Module._apply(fn)` (`to`, `half`, `cpu`,
+    `to_empty`...), and what it returns after: it re-points parameters with `p.data = ...`,
+    which no dispatched op shows. Returns the undo."""
     global _apply_original
     if not _conversion_listeners:
         _apply_original = torch.nn.Module._apply
@@ -823,17 +828,33 @@ def on_module_conversion(listener: Callable[[Any], None]) -> Callable[[], None]:
 _converting = threading.local()
 
 
+def module_apply_kind(fn: Any) -> str:
+    """What `Module._apply(fn)` does to values: "conversion" (one of Module's own dtype or device
+    conversions: `to`, `half`, `cpu`...), "empty" (`to_empty`: uninitialised memory), or
+    "other" (anything else: a caller's own function, whose values must be compared)."""
+    code = getattr(fn, "__code__", None)
+    if code is None or code.co_filename != _MODULE_FILE:
+        return "other"
+    parts = getattr(fn, "__qualname__", "").split(".")
+    if len(parts) < 3 or parts[0] != "Module" or parts[2] != "<locals>":
+        return "other"
+    return "conversion" if parts[1] in _CONVERSIONS else "empty" if parts[1] == "to_empty" else "other"
+
+
 def _apply(self: Any, *args: Any, **kwargs: Any) -> Any:
     original = _apply_original if _apply_original is not None else type(self)._apply
     depth = getattr(_converting, "depth", 0)
+    afters: list[Callable[[], None]] = []
+    if depth == 0:
+        fn = args[0] if args else kwargs.get("fn")
+        afters = [listener(self, fn) for listener in list(_conversion_listeners)]
     _converting.depth = depth + 1
     try:
         return original(self, *args, **kwargs)
     finally:
         _converting.depth = depth
-        if depth == 0:
-            for listener in list(_conversion_listeners):
-                listener(self)
+        for after in reversed(afters):
+            after()
 
 
 def _swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:

@@ -302,3 +302,64 @@ def test_a_hidden_write_to_batch_norm_statistics_is_not_absorbed_by_its_next_upd
                 d[3].weight_u.detach().numpy()[:] = 1.0
     assert sorted((e.path, e.kind) for e in g.report.events) == [("d.2.running_mean", "unobserved"),
                                                                   ("d.3.weight_u", "unobserved")]
+
+
+# -- 4. `to_empty()` and any `_apply` that changes values, not dtype or device ---------------------
+
+def _small() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+
+
+@pytest.mark.parametrize("level", ["full", "light"])
+def test_to_empty_on_a_guarded_model_is_reported(level: str) -> None:
+    model = _small()
+    with kvguard.guard_module(model, action="record", level=level) as g:
+        model.to_empty(device="cpu")  # the line
+    line = test_to_empty_on_a_guarded_model_is_reported.__code__.co_firstlineno + 4
+    # every parameter and buffer, the zero-filled ones too (uninitialised memory may hold anything)
+    assert sorted(e.path for e in g.report.events) == sorted(n for n, _ in [*model.named_parameters("model"),
+                                                                              *model.named_buffers("model")])
+    assert {e.lineno for e in g.report.events} == {line}
+
+
+def test_to_empty_under_raise_stops_or_raises_at_its_line() -> None:
+    model = _small()
+    with pytest.raises(kvguard.MutationError) as info:
+        with kvguard.guard_module(model, action="raise", level="light"):
+            model.to_empty(device="cpu")
+    assert info.value.event.path == "model.0.weight" and "to_empty" in info.value.event.diff
+
+
+@pytest.mark.parametrize("level", ["full", "light"])
+def test_conversions_pass_and_a_value_changing_apply_is_reported(level: str) -> None:
+    model = _small()
+    with kvguard.guard_module(model, action="raise", level=level) as g:
+        model.double().float().half().float().to(torch.bfloat16).to(torch.float32)
+        model.cpu().share_memory().type(torch.float32)
+        model._apply(lambda t: t.to(torch.float64))  # a caller's own conversion: dtype changed, passes
+        if level == "light":  # (level full reports its `.data =` at the op: other memory, same values)
+            model._apply(lambda t: t.clone())  # a caller's own function that keeps the values: passes
+        g.check()
+    assert g.report.events == []
+    with kvguard.guard_module(model, action="record", level=level) as g:
+        model._apply(lambda t: t * 2 if t.is_floating_point() else t)
+    # Zeros twice are the same values (batch norm's bias and running_mean); num_batches_tracked is not
+    # floating point. Where `.data =` is watched (level full) each parameter's is reported at the op,
+    # whatever its values.
+    changed = {"model.0.bias", "model.0.weight", "model.1.running_var", "model.1.weight"}
+    found = [e.path for e in g.report.events]
+    assert len(found) == len(set(found)) and changed <= set(found) <= changed | ({"model.1.bias"} if level == "full" else set())
+
+
+def test_to_empty_of_a_meta_model_and_of_an_unguarded_module_pass() -> None:
+    with torch.device("meta"):
+        meta = torch.nn.Linear(3, 2)
+    other = _small()
+    with kvguard.guard_module(meta, action="record") as g:
+        meta.to_empty(device="cpu")  # the usual deferred initialisation: nothing held values
+        other.to_empty(device="cpu")  # not guarded
+        assert g.report.events == []
+        with torch.no_grad():
+            meta.weight.mul_(0)  # the weights are guarded, in their new memory
+    assert [(e.path, e.op) for e in g.report.events] == [("meta.weight", "aten.mul_.Tensor")]

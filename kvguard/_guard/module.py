@@ -24,6 +24,12 @@ STEP_DIFF = ("values changed since the last optimizer step with no dispatched wr
 STEP_DIFF_LIGHT = ("values changed since the last optimizer step, found before this step would absorb it "
                    "(level='light' watches no op, so the writing line is not known: level='full' names it)")
 MEMORY_DIFF = "identity or memory changed since the last optimizer step with no dispatched op"
+APPLY_DIFF = ("values replaced by Module._apply, which re-points them with `.data =` (no dispatched op): not a "
+              "dtype or device conversion (to_empty leaves uninitialised memory)")
+
+
+def _nothing() -> None:
+    pass
 
 
 def _digest(digest: Any) -> str:
@@ -58,15 +64,32 @@ class ModuleGuard(Guard):
         for optimizer in self.optimizers:
             self._unwrap.append(_wrap_step(optimizer, self))
         protected = weakref.ref(self._protected)  # conversions (`model.half()`) are the trainer's writes
+        me = weakref.ref(self)
 
-        def converted(module: Any) -> None:
+        def converting(module: Any, fn: Any) -> Any:
+            live = protected()
+            if live is None:
+                return _nothing
+            after = live.converting(module, fn)
+
+            def done() -> None:
+                guard = me()
+                try:
+                    changes = after()
+                except Exception:  # noqa: BLE001 - kvguard's own failure never fails the user's `_apply`
+                    return
+                if guard is not None:
+                    guard._report_changes(changes, APPLY_DIFF)
+            return done
+
+        def loaded(module: Any) -> None:
             live = protected()
             if live is not None:
                 live.converted(module)
-        self._unwrap.append(_torch.on_module_conversion(converted))
+        self._unwrap.append(_torch.on_module_conversion(converting))
         if self.level != "full":  # no op is seen: the intended writes the stack would show, seen otherwise
             self._unwrap.append(_watch_calls(self._protected))
-            self._unwrap.append(_on_load(converted))
+            self._unwrap.append(_on_load(loaded))
         return self
 
     def add_optimizer(self, optimizer: Any, modules: list[tuple[str, Any]], loose: list[tuple[str, Any]]) -> None:
@@ -107,13 +130,13 @@ class ModuleGuard(Guard):
         if protected is None:
             return None
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        self._report_changes(protected.step_changes(params))
+        self._report_changes(protected.step_changes(params), STEP_DIFF if self.level == "full" else STEP_DIFF_LIGHT)
         return protected.begin_step(params)
 
-    def _report_changes(self, changes: list[Any]) -> None:
-        """Changes found at a step, as boundary findings located at the `step()` call; the writing
-        line is not known. Under "raise" the first raises (the change has happened)."""
-        if not changes:
+    def _report_changes(self, changes: list[Any], diff: str) -> None:
+        """Changes found at a step or a module's `_apply`, as boundary findings located at the user's
+        line (`step()`, `to_empty()`). Under "raise" the first raises (the change has happened)."""
+        if not changes or self._protected is None:
             return
         from kvguard._engine.judge import unobserved_event
         from kvguard._errors import MutationError
@@ -121,8 +144,7 @@ class ModuleGuard(Guard):
         from kvguard._report.events import format_event
 
         site = user_site()
-        events = [unobserved_event(c.entry, c.tensor, site, STEP_DIFF if self.level == "full" else STEP_DIFF_LIGHT,
-                                   f"digest at the last step {_digest(c.was)}") if c.kind == "values" else
+        events = [unobserved_event(c.entry, c.tensor, site, diff, f"digest {_digest(c.was)}") if c.kind == "values" else
                   unobserved_event(c.entry, c.tensor, site, MEMORY_DIFF, c.was, c.now) for c in changes]
         events = [e for e in events if not self._allowed(e)]
         for event in events:

@@ -22,10 +22,11 @@ from __future__ import annotations
 import sys
 import types
 import weakref
-from typing import Any, Iterable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
 import torch
 
+from kvguard._protect import digest as _digest
 from kvguard._protect.collector import collector_paused
 from kvguard._protect.entries import Change, Entry
 from kvguard._protect.protected import ProtectedSet
@@ -313,6 +314,8 @@ class ModuleSet(ProtectedSet):
                 name = code.co_name
                 if id(owner) in modules and name in _LOADING:
                     return hit  # load_state_dict of a guarded module: every write is its own
+                if id(owner) in modules and name == "_apply" and _is_conversion(frame):
+                    return hit  # a conversion (`to`, `half`) re-points with `.data =`; `converting` follows
                 if issubclass(type(owner), DistributedDataParallel) and id(owner.module) in modules:
                     return hit  # DDP's broadcast of the module's buffers and parameters
                 if name == "forward" and owner is not None:
@@ -323,17 +326,66 @@ class ModuleSet(ProtectedSet):
             frame = frame.f_back
         return intended
 
+    def converting(self, module: torch.nn.Module, fn: Any) -> Callable[[], list[Change]]:
+        """`module._apply(fn)` starts; returns what to call once it is done, which says what changed.
+
+        It re-points the weights with `p.data = ...`. One of Module's own conversions (`to`,
+        `half`, `cpu`...) is a write the trainer means: the entries follow their memory and
+        values. `to_empty` leaves uninitialised memory: every weight that held values is a
+        change. Any other function is judged by values: a weight whose dtype and device stay
+        and whose values differ is a change.
+        """
+        from kvguard import _torch
+
+        if id(module) not in self._guarded_modules:
+            return list
+        kind = _torch.module_apply_kind(fn)
+        # path -> dtype, device, meta, digest; and the entry with its own digest then: an op that
+        # reports its write on the way (`.data =` at level "full") moves it: not reported twice.
+        before: dict[str, tuple[Any, Any, bool, Any, Entry, Any]] = {}
+        if kind != "conversion":
+            with collector_paused():
+                self._settle()
+                entries = self._entries_of(module)
+                tensors = [e.ref() for e in entries]
+                for entry, tensor, digest in zip(entries, tensors, _digest.digests(tensors)):
+                    if tensor is not None:
+                        before[entry.path] = (tensor.dtype, tensor.device, tensor.is_meta, digest, entry,
+                                              entry.digest)
+
+        def after() -> list[Change]:
+            with collector_paused():
+                self._scan_now(None)
+                entries = self._entries_of(module)
+                found = []
+                if kind != "conversion":
+                    live = [(e, t) for e in entries if (t := e.ref()) is not None]
+                    now = _digest.digests([t for _, t in live])
+                    for (entry, tensor), digest in zip(live, now):
+                        was = before.get(entry.path)
+                        if was is None or was[2] or (entry is was[4] and entry.digest is not was[5]):
+                            continue  # new, a meta tensor (no values to lose), or reported at its op
+                        if kind == "empty" or ((tensor.dtype, tensor.device) == was[:2]
+                                               and not _digest.same_all([was[3]], [digest])[0]):
+                            found.append(Change(entry, tensor, "values", was[3], digest))
+                self.explain(entries)  # the entries follow their memory and values from now on
+            return found
+        return after
+
     def converted(self, module: torch.nn.Module) -> None:
-        """`module` was converted (`to`, `half`...), re-pointing its weights with `p.data = ...`, or
-        loaded (`load_state_dict`, seen so at level "light"): a write the trainer means. Its
-        entries follow their memory and values from now on."""
+        """`module` was loaded (`load_state_dict`, seen so at level "light"): a write the trainer
+        means. Its entries follow their memory and values from now on."""
         if id(module) not in self._guarded_modules:
             return
         with collector_paused():
             self._scan_now(None)
-            tensors = {id(t) for _, m in module.named_modules() for t in (*m.parameters(recurse=False),
-                                                                             *m.buffers(recurse=False))}
-            self.explain([e for e in self._entries.values() if id(e.ref()) in tensors])
+            self.explain(self._entries_of(module))
+
+    def _entries_of(self, module: torch.nn.Module) -> list[Entry]:
+        """The entries of `module`'s parameters and buffers, its submodules' included."""
+        tensors = {id(t) for _, m in module.named_modules() for t in (*m.parameters(recurse=False),
+                                                                         *m.buffers(recurse=False))}
+        return [e for e in self._entries.values() if id(e.ref()) in tensors]
 
     def close(self) -> None:
         self._stepping.clear()
@@ -342,3 +394,20 @@ class ModuleSet(ProtectedSet):
         self._owner.clear()
         self._roots = []
         super().close()
+
+
+def _is_conversion(frame: types.FrameType) -> bool:
+    """Whether the `Module._apply` running in `frame` converts dtype or device: one of Module's own
+    conversions, or a caller's function whose result has another dtype or device (`to_empty`,
+    or a function that keeps both, is not: its values are new)."""
+    from kvguard import _torch
+
+    local = frame.f_locals
+    kind = _torch.module_apply_kind(local.get("fn"))
+    if kind != "other":
+        return kind == "conversion"
+    old, new = local.get("param"), local.get("param_applied")
+    try:
+        return old is not None and new is not None and (old.dtype, old.device) != (new.dtype, new.device)
+    except Exception:  # noqa: BLE001 - not tensors: not a conversion we can tell
+        return False
