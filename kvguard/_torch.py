@@ -1052,6 +1052,14 @@ def inlineable_hook(hook: Any) -> bool:
     return isinstance(hook, torch.fx.GraphModule)
 
 
+def view_base(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    """The tensor `tensor` is a view of (None: not a view)."""
+    try:
+        return tensor._base if tensor._is_view() else None
+    except Exception:  # noqa: BLE001 - a subclass without view tracking
+        return None
+
+
 def current_graph_task_id() -> int:
     """The backward pass (graph task) running on this thread; -1 outside backward."""
     return int(torch._C._current_graph_task_id())

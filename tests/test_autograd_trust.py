@@ -147,6 +147,28 @@ def test_checkpointed_activations_are_not_kept_alive() -> None:
     assert g.report.ok
 
 
+@per_engine
+def test_a_view_a_checkpointed_op_saves_and_drops_at_once_stays_protected_while_its_base_lives(engine: str) -> None:
+    """`linear` on a 3-D input saves a 2-D view it makes and drops (a transformer's MLP)."""
+    w = torch.randn(5, 8, requires_grad=True)
+    held: list[torch.Tensor] = []
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        h = t * 2  # saves nothing (a scalar factor)
+        out = torch.nn.functional.linear(h, w)  # saves h.view(-1, 8), a view dropped at once
+        held.append(h.data_ptr())
+        h.mul_(0.5)  # the bug
+        return out.sum()
+
+    with kvguard.guard_autograd(action="record") as g:
+        checkpoint(f, torch.randn(2, 3, 8, requires_grad=True), use_reentrant=False).backward()
+        gc.collect()
+        live = [t for e in g._protected._entries.values() if (t := e.ref()) is not None]
+        assert all(t.data_ptr() != held[0] for t in live)  # h freed after forward: its memory not held
+    assert [(e.lineno, e.path) for e in g.report.events] == [(_line("h.mul_(0.5)  # the bug"),
+                                                              "<saved by MmBackward0: self>")]
+
+
 def test_a_write_during_the_recomputation_is_reported_at_its_line() -> None:
     """A recomputation that diverges (a write only on the second run) corrupts what backward reads."""
     calls = []
@@ -217,7 +239,7 @@ def test_hooks_torch_compile_inlines_are_left_alone_and_counted() -> None:
 
     gm = torch.fx.symbolic_trace(Pack())
     x = torch.randn(3, requires_grad=True)
-    with pytest.warns(kvguard.GuardWarning, match="1 stretch under other saved-tensor hooks"):
+    with pytest.warns(kvguard.GuardWarning, match="1 unprotected under other saved-tensor hooks"):
         with kvguard.guard_autograd(action="record") as g:
             with torch.autograd.graph.saved_tensors_hooks(gm, gm):
                 y = x.exp()

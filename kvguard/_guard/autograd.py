@@ -106,10 +106,10 @@ class AutogradGuard(Guard):
         return super().__repr__().replace("kvguard.guard ", "kvguard.guard_autograd ", 1)
 
 
-def unprotected_text(stretches: int) -> str:
+def unprotected_text(count: int) -> str:
     """What a guard could not protect, for its warning and the exit line."""
-    return (f"{plural(stretches, 'stretch', 'stretches')} under other saved-tensor hooks that torch.compile inlines "
-            "(fx GraphModules) left unprotected: what they saved was not looked at")
+    return (f"{count:,} unprotected under other saved-tensor hooks (stretches of hooks torch.compile inlines, or "
+            "saved tensors kvguard could not hold): what they saved was not looked at")
 
 
 def guard_autograd(*, action: str = "raise", name: Optional[str] = None, allow: Optional[Collection[str]] = None,

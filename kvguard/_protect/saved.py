@@ -89,24 +89,42 @@ class Kept:
 
 class _Lent(weakref.ref):  # type: ignore[type-arg]
     """An entry's reference under composed hooks: weak to the saved tensor (or to the alias their
-    hook keeps), and to the `Kept` that autograd holds when the tensor outlives it (`owner`)."""
+    hook keeps), and to the `Kept` that autograd holds when the tensor outlives it (`owner`).
+
+    A saved view is often a temporary (the 2-D view `linear` makes of a 3-D input) that dies
+    at once: then the reference is weak to its base, and a detached alias of the view (the
+    same memory and version counter, no reference to the base) is held until the base dies.
+    """
 
     def __new__(cls, tensor: torch.Tensor, callback: Any, saved: Saved, owner: Optional[Kept]) -> _Lent:
-        return super().__new__(cls, tensor, callback)
+        base = _torch.view_base(tensor)
+        return super().__new__(cls, base if base is not None else tensor, _lent_died)
 
     def __init__(self, tensor: torch.Tensor, callback: Any, saved: Saved, owner: Optional[Kept]) -> None:
-        super().__init__(tensor, callback)
+        base = _torch.view_base(tensor)
+        super().__init__(base if base is not None else tensor, _lent_died)
+        self.view = tensor.detach() if base is not None else None
         self.info = saved
+        self.on_death = callback
         self.owner = weakref.ref(owner, callback) if owner is not None else None
 
     def __call__(self) -> Optional[torch.Tensor]:  # type: ignore[override]
         owner = self.owner
         if owner is not None and owner() is None:
+            self.view = None  # what it kept is gone: so is our hold on its memory
             return None
-        return super().__call__()
+        tensor = super().__call__()
+        if tensor is None:
+            return None
+        return self.view if self.view is not None else tensor
 
     def saved(self) -> Optional[Saved]:
         return self.info if self() is not None else None
+
+
+def _lent_died(ref: _Lent) -> None:
+    ref.view = None  # the base died: let its memory go
+    ref.on_death(ref)
 
 
 class Composed:
@@ -136,7 +154,8 @@ class Composed:
             alias = isinstance(inner, torch.Tensor) and inner is not tensor and _torch.shares_version_counter(
                 inner, tensor)
             owner.lend(saved, inner if alias else tensor, None if alias else kept)
-        except Exception:  # noqa: BLE001 - never fail the user's forward
+        except Exception:  # noqa: BLE001 - never fail the user's forward; but never call it clean
+            owner.unprotected += 1
             return inner
         return kept
 
@@ -183,7 +202,7 @@ class SavedSet(ProtectedSet):
         self._bursts = self._bursts_read = self._tasks = 0
         self._recent_tasks: collections.deque[int] = collections.deque(maxlen=64)
         self._backward_since_pack = True
-        self.unprotected = 0  # other hooks' stretches not composed with ours (their tensors not protected)
+        self.unprotected = 0  # other hooks' stretches not composed with ours, and tensors a composed pack could not hold
         self.closed = False
         super().__init__(self._pending, name, None, (), fingerprint=fingerprint)
 
