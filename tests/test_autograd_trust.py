@@ -426,3 +426,40 @@ def test_a_write_to_a_saved_nested_tensor_fails_backward_with_pytorchs_error() -
         with pytest.raises(kvguard.MutationError):
             z.mul_(2)
         assert z._version == 0  # stopped before the write (nested tanh has no backward kernel to run)
+
+
+# -- the env switch, in a fresh process ---------------------------------------------------
+
+CHECKPOINTED_JOB = """
+import torch
+from torch.utils.checkpoint import checkpoint
+w = torch.randn(8, 8, requires_grad=True); v = torch.randn(8, 8)
+def layer(x):
+    p = torch.softmax(x @ w, -1); out = p @ v
+    if BUG:
+        p.mul_(2.0)   # the bug
+    return out
+for _ in range(2):
+    checkpoint(layer, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum().backward()
+print("done")
+"""
+
+
+@pytest.mark.slow  # a process each
+@pytest.mark.parametrize("bug", [True, False])
+def test_the_env_switch_sees_inside_checkpointed_layers(tmp_path: Any, bug: bool) -> None:
+    from processes import run_python
+
+    script = tmp_path / "job.py"
+    script.write_text(CHECKPOINTED_JOB.replace("BUG", str(bug)))
+    result = run_python(script, cwd=tmp_path, KVGUARD="raise", KVGUARD_TARGETS="autograd")
+    if bug:
+        assert result.returncode == 1 and "done" not in result.stdout
+        assert f'File "{script}", line 8, in layer' in result.stderr
+        assert "kvguard.MutationError: <saved by SoftmaxBackward0: result> would be modified in place" in result.stderr
+    else:
+        assert result.returncode == 0, result.stderr
+        # Each step: the checkpoint's input, and x, w, p, v inside it; then x, w, p again in the
+        # recomputation (the checkpoint stops it at the last).
+        assert result.stderr.strip() == ("kvguard: autograd: 16 saved tensors protected in 2 forward passes, "
+                                         "no in-place writes")
