@@ -61,9 +61,23 @@ SLOTTED = textwrap.dedent("""
         opt.step()                      # finds the numpy write before absorbing it
         with torch.no_grad(): adapter.bias.add_(1)
 
+    def freed():                        # PyTorch's test_no_cyclic_references, with an LR scheduler too
+        import gc, weakref
+        model = torch.nn.Linear(3, 2)
+        gc.disable()
+        for kind in (torch.optim.SGD, torch.optim.AdamW):
+            opt = kind(model.parameters(), lr=0.1)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+            model(torch.randn(4, 3)).sum().backward(); opt.step(); sched.step()
+            ref = weakref.ref(opt)
+            del opt, sched
+            print(kind.__name__, "freed" if ref() is None else "alive")
+        gc.enable()
+
     Slotted().train()
     Holder().stray()
     unfreeze()
+    freed()
     Hostile.train(object.__new__(Hostile))
     Loader().load(torch.nn.Linear(3, 2).state_dict())
     print("done")
@@ -75,6 +89,7 @@ def test_frames_without_dict_are_searched_under_the_env_switch(tmp_path: Path) -
     script.write_text(SLOTTED)
     result = run_python(script, cwd=tmp_path, KVGUARD="warn", KVGUARD_TARGETS="weights")
     assert result.returncode == 0 and "done" in result.stdout, result.stderr
+    assert "SGD freed" in result.stdout and "AdamW freed" in result.stdout
     err = result.stderr
     assert "cannot watch" not in err
     for headline in ("m.weight was modified in place by aten.add_.Tensor at slotted.py:9",
@@ -84,7 +99,7 @@ def test_frames_without_dict_are_searched_under_the_env_switch(tmp_path: Path) -
                      "slotted.py:39 (no dispatched op): 1 write to adapter.weight in 1 call",
                      "adapter.bias was modified in place by aten.add_.Tensor at slotted.py:40"):
         assert headline in err, err
-    assert "weights: 12 parameters and buffers watched over 3 optimizer steps, 6 writes at 6 sites" in err
+    assert "weights: 14 parameters and buffers watched over 5 optimizer steps, 6 writes at 6 sites" in err
 
 
 PYTEST_INNER = textwrap.dedent("""
@@ -363,3 +378,47 @@ def test_to_empty_of_a_meta_model_and_of_an_unguarded_module_pass() -> None:
         with torch.no_grad():
             meta.weight.mul_(0)  # the weights are guarded, in their new memory
     assert [(e.path, e.op) for e in g.report.events] == [("meta.weight", "aten.mul_.Tensor")]
+
+
+# -- 5. no reference cycle: an optimizer is freed when its last name goes -------------------------
+
+@pytest.mark.parametrize("scheduler_first", [False, True])
+def test_an_optimizer_stepped_under_a_guard_is_freed_without_the_collector(scheduler_first: bool) -> None:
+    model = torch.nn.Linear(3, 2)
+    torch.optim.SGD(model.parameters()).add_param_group  # torch's lazy imports, done once before measuring
+    gc.collect()
+    gc.disable()
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1) if scheduler_first else None
+        with kvguard.guard_module(model, optimizer=opt, action="raise") as g:
+            if sched is None:
+                assert type(opt.step).__name__ == "WeaklyBound" and opt.step.__self__ is opt
+                sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # wraps ours
+            for _ in range(2):
+                model(torch.randn(4, 3)).sum().backward()
+                opt.step()
+                sched.step()  # no "lr_scheduler.step() before optimizer.step()" warning (filterwarnings=error)
+            assert g.report.events == [] and g._protected.steps == 2
+        assert sched.get_last_lr() == [pytest.approx(0.1 * 0.1 ** 2)]
+        ref = weakref.ref(opt)
+        del opt, sched, g
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_a_weakly_bound_step_reads_as_a_bound_method() -> None:
+    from kvguard._guard.module import WeaklyBound
+
+    class Box:
+        def get(self, x: int) -> tuple[object, int]:
+            return self, x
+    box = Box()
+    Box.get.marker = 1  # type: ignore[attr-defined]
+    bound = WeaklyBound(Box.get, box)
+    assert bound(3) == (box, 3) and bound.__self__ is box and bound.__func__ is Box.get and bound.marker == 1
+    del box
+    assert bound.__self__ is None
+    with pytest.raises(ReferenceError):
+        bound(3)

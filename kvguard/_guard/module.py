@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import os
 import threading
-import types
 import weakref
 from typing import Any, Collection, Literal, Optional
 
@@ -118,7 +117,7 @@ class ModuleGuard(Guard):
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         while self._unwrap:
             self._unwrap.pop()()
-        self.modules = []
+        self.modules, self.optimizers = [], ()  # a guard left behind (its cycles wait for gc) holds neither
         return super().__exit__(exc_type, exc, tb)
 
     def stepping(self, optimizer: Any) -> Any:
@@ -214,32 +213,34 @@ def _wrap_step(optimizer: Any, guard: ModuleGuard) -> Any:
     """Wrap `optimizer.step` on the instance for the guard's block; returns the undo.
 
     A wrapper added on top later (an LR scheduler made inside the block wraps `step` too)
-    cannot be taken off from under it: ours then stays and passes straight through. The
-    undo holds the optimizer weakly: a guard never keeps one alive.
+    cannot be taken off from under it: ours then stays and passes straight through.
+    Nothing here holds the optimizer strongly, the instance's own `step` included: a
+    reference cycle would keep it (and its state) alive after `del opt`.
     """
-    had_own = "step" in vars(optimizer)  # an LR scheduler's wrapper already (it holds the optimizer weakly)
-    inner = optimizer.step
+    own = vars(optimizer).get("step")  # an LR scheduler's wrapper already (it holds the optimizer weakly)
+    inner = own if own is not None else type(optimizer).step  # called with the optimizer, if not its own
     active: list[Optional[ModuleGuard]] = [guard]  # None once undone: nothing of the guard kept alive
     optimizer_ref = weakref.ref(optimizer)
 
-    @functools.wraps(inner)
+    def run(self: Any, args: Any, kwargs: Any) -> Any:
+        return inner(*args, **kwargs) if own is not None else inner(self, *args, **kwargs)
+
+    @functools.wraps(getattr(inner, "__func__", inner))
     def step_method(self: Any, *args: Any, **kwargs: Any) -> Any:
         owner = active[0]
         if owner is None:
-            return inner(*args, **kwargs)
+            return run(self, args, kwargs)
         token = owner.stepping(self)
         try:
-            return inner(*args, **kwargs)
+            return run(self, args, kwargs)
         finally:
             owner.stepped(token)
 
-    # A bound method, as torch's LR schedulers expect of `optimizer.step` (they wrap its `__func__`).
-    # The undo knows it by a marker, not by the function (which holds the inner bound step).
+    # Bound as torch's LR schedulers expect of `optimizer.step` (they wrap its `__func__`), weakly.
+    # The undo knows it by a marker, not by the function.
     marker = step_method._kvguard_step = object()  # type: ignore[attr-defined]
-    optimizer.step = types.MethodType(step_method, optimizer)
+    optimizer.step = WeaklyBound(step_method, optimizer)
     del step_method
-
-    own = inner if had_own else None  # the undo holds the inner step only where the instance had its own
 
     def undo() -> None:
         active[0] = None
@@ -251,6 +252,34 @@ def _wrap_step(optimizer: Any, guard: ModuleGuard) -> Any:
             else:
                 del opt.step
     return undo
+
+
+class WeaklyBound:
+    """A method bound to an object it holds weakly: what `types.MethodType` is, without the strong
+    reference that makes a reference cycle when it is stored on that object. Other attributes
+    are the function's (an LR scheduler's `_wrapped_by_lr_sched`)."""
+
+    __slots__ = ("__func__", "_ref")
+
+    def __init__(self, func: Any, obj: Any) -> None:
+        self.__func__ = func
+        self._ref = weakref.ref(obj)
+
+    @property
+    def __self__(self) -> Any:
+        return self._ref()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        obj = self._ref()
+        if obj is None:
+            raise ReferenceError("the object this method was bound to is gone")
+        return self.__func__(obj, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__func__, name)
+
+    def __repr__(self) -> str:
+        return f"<bound method {getattr(self.__func__, '__qualname__', '?')} of {self._ref()!r}>"
 
 
 def guard_module(module: Any, optimizer: Any = None, *, action: str = "raise", name: Optional[str] = None,
