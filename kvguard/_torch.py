@@ -1044,7 +1044,7 @@ def compose_saved_tensors_hooks(compose: Callable[[Any, Any], Optional[tuple[Any
 
     push._kvguard_compose = True  # type: ignore[attr-defined]
     push.__doc__ = original.__doc__
-    autograd._push_saved_tensors_default_hooks = push
+    autograd._push_saved_tensors_default_hooks = push  # type: ignore[assignment]
 
 
 def inlineable_hook(hook: Any) -> bool:

@@ -39,7 +39,8 @@ def stop() -> None:
 
     guard, STATE.autograd = STATE.autograd, None
     leave(guard, "autograd guard")
-    if guard is not None and getattr(guard, "unprotected", 0):  # said with the summary: never counted as clean
+    unprotected: int = getattr(guard, "unprotected", 0) if guard is not None else 0
+    if unprotected:  # said with the summary: never counted as clean
         from kvguard._guard.autograd import unprotected_text
 
-        say(f"kvguard: autograd: {unprotected_text(guard.unprotected)}")
+        say(f"kvguard: autograd: {unprotected_text(unprotected)}")

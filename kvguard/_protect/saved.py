@@ -101,14 +101,13 @@ class _Lent(weakref.ref):  # type: ignore[type-arg]
         return super().__new__(cls, base if base is not None else tensor, _lent_died)
 
     def __init__(self, tensor: torch.Tensor, callback: Any, saved: Saved, owner: Optional[Kept]) -> None:
-        base = _torch.view_base(tensor)
-        super().__init__(base if base is not None else tensor, _lent_died)
+        base = _torch.view_base(tensor)  # `__new__` set the referent and the callback
         self.view = tensor.detach() if base is not None else None
         self.info = saved
         self.on_death = callback
         self.owner = weakref.ref(owner, callback) if owner is not None else None
 
-    def __call__(self) -> Optional[torch.Tensor]:  # type: ignore[override]
+    def __call__(self) -> Optional[torch.Tensor]:
         owner = self.owner
         if owner is not None and owner() is None:
             self.view = None  # what it kept is gone: so is our hold on its memory
@@ -193,7 +192,7 @@ class SavedSet(ProtectedSet):
     def __init__(self, name: str, fingerprint: bool = False) -> None:
         # Packs not protected yet, held weakly: a backward that runs before the next look frees
         # what it read as it goes, as it would without kvguard (the peak memory stays autograd's).
-        self._pending: list[_TensorOf] = []
+        self._pending: list[Any] = []  # `_TensorOf`s, and `_Lent`s under composed hooks
         self._roots: collections.deque[weakref.ref[torch.Tensor]] = collections.deque(maxlen=_ROOTS)
         self._thread = threading.get_ident()
         self.counter_only: frozenset[int] = frozenset()
@@ -248,6 +247,7 @@ class SavedSet(ProtectedSet):
         if type(saved) is not Saved:
             return saved  # type: ignore[no-any-return]  # a tensor pack could not keep
         tensor = saved.tensor
+        assert tensor is not None  # kept by our pack (a composed one's comes back through `Composed.unpack`)
         if tensor._version != saved.version:
             raise RuntimeError(self._version_error(saved))
         self.read(saved)
@@ -281,6 +281,7 @@ class SavedSet(ProtectedSet):
     def _version_error(self, saved: Saved) -> str:
         """PyTorch's words for a saved tensor written since, then what kvguard saw."""
         tensor = saved.tensor
+        assert tensor is not None
         node = _torch.current_autograd_node()
         name = type(node).__name__ if node is not None else "its node"
         head = (f"{TORCH_CHECK}: [{_type_text(tensor)} {_shape_text(tensor)}], which {name} saved, is at version "
@@ -310,7 +311,8 @@ class SavedSet(ProtectedSet):
             entries = self._entries
             added = []
             for (ref, tensor), record in zip(live, records):
-                site = ref.saved().site
+                info = ref.saved()
+                site = info.site if info is not None else None
                 entry = entries[id(tensor)] = Entry(_UNNAMED, record, ref,
                                                     _site_text(site) if site is not None else None)
                 added.append(entry)
