@@ -14,6 +14,7 @@ from kvguard._errors import MutationError as MutationError
 from kvguard._errors import MutationWarning as MutationWarning
 from kvguard._guard.allow import allow as allow
 from kvguard._guard.autograd import guard_autograd as guard_autograd
+from kvguard._guard.data import guard_data as guard_data
 from kvguard._guard.module import guard_module as guard_module
 from kvguard._guard.calls import guarded as guarded
 from kvguard._guard.guard import Guard as Guard
@@ -23,7 +24,7 @@ from kvguard._report.events import MutationEvent as MutationEvent
 
 __version__ = "0.2.0"
 __all__ = ["ConfigError", "Guard", "GuardReport", "GuardWarning", "MutationError", "MutationEvent",
-           "MutationWarning", "allow", "guard", "guard_autograd", "guard_module", "guarded"]
+           "MutationWarning", "allow", "guard", "guard_autograd", "guard_data", "guard_module", "guarded"]
 
 # Re-exports look native: tracebacks and reprs say kvguard.MutationError.
 for _name in __all__:

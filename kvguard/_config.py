@@ -167,11 +167,12 @@ class Settings:
     defaults: GuardDefaults = GuardDefaults()
     autograd: bool = False  # `autograd` in KVGUARD_TARGETS: what autograd saves, in every forward pass
     weights: bool = False  # `weights` in KVGUARD_TARGETS: every optimizer's parameters, outside its step
+    data: bool = False  # `data` in KVGUARD_TARGETS: what every dataset returns, from then on
 
     def as_record(self) -> dict[str, object]:
         """The settings as plain JSON values, for report headers."""
         return {"action": self.action, "targets": [str(t) for t in self.targets] + [AUTOGRAD] * self.autograd
-                + [WEIGHTS] * self.weights,
+                + [WEIGHTS] * self.weights + [DATA] * self.data,
                 "report_dir": self.report_dir,
                 "keys": list(self.keys) if self.keys is not None else None, "ignore": list(self.ignore),
                 "allow": list(self.allow), "calls": str(self.calls), "level": self.level}
@@ -219,7 +220,8 @@ def env_source(name: str) -> str:
 
 AUTOGRAD = "autograd"  # the KVGUARD_TARGETS word for what autograd saves (`kvguard.guard_autograd`)
 WEIGHTS = "weights"  # the word for every optimizer's parameters outside its step (`kvguard.guard_module`)
-_WORDS = (AUTOGRAD, WEIGHTS)
+DATA = "data"  # the word for what every dataset returns (`kvguard.guard_data`)
+_WORDS = (AUTOGRAD, WEIGHTS, DATA)
 
 
 def names_word(value: str, word: str) -> bool:
@@ -232,7 +234,8 @@ def parse_targets(value: str, source: str = env_source("KVGUARD_TARGETS")) -> tu
 
     Each entry is `module:qualname(argname)` or, without a colon, a preset name (`slime`,
     `verl`, ...: see `_presets`), which stands for its functions, or one of the words
-    `autograd` (what autograd saves) and `weights` (every optimizer's parameters): no
+    `autograd` (what autograd saves), `weights` (every optimizer's parameters) and `data`
+    (what every dataset returns): no
     function (`names_word`). A function named both by a preset and explicitly is
     guarded once, as the explicit entry says.
     """
@@ -300,4 +303,4 @@ def from_env(environ: Mapping[str, str]) -> Settings:
     defaults = guard_defaults(environ)
     return Settings(action, targets, defaults.report_dir, defaults.keys, defaults.ignore or (), defaults.allow or (),
                     defaults.calls or Calls(), defaults.level or "full", defaults,
-                    names_word(named, AUTOGRAD), names_word(named, WEIGHTS))
+                    names_word(named, AUTOGRAD), names_word(named, WEIGHTS), names_word(named, DATA))

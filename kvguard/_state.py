@@ -21,6 +21,7 @@ class State:
         self.patched: list[str] = []  # targets guarded in this process
         self.autograd: Any = None  # the process's `guard_autograd` (KVGUARD_TARGETS=autograd), once torch loads
         self.weights: Any = None  # the process's weights guard (KVGUARD_TARGETS=weights), once an optimizer is made
+        self.data: Any = None  # the process's `guard_data` (KVGUARD_TARGETS=data), once torch loads
         self.undo: list[Callable[[], None]] = []
 
     def uninstall(self) -> None:

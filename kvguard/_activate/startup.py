@@ -76,7 +76,7 @@ def _start() -> None:
     if not settings.active or STATE.started:
         return
     STATE.settings, STATE.started = settings, True
-    if not settings.targets and not settings.autograd and not settings.weights:
+    if not settings.targets and not settings.autograd and not settings.weights and not settings.data:
         say("kvguard: KVGUARD is on but KVGUARD_TARGETS names no function to guard")
         return
     from kvguard import _ranks
@@ -98,6 +98,10 @@ def _start() -> None:
         from kvguard._activate import weights as _weights
 
         _weights.install(settings)
+    if settings.data:
+        from kvguard._activate import data as _data
+
+        _data.install(settings)
     atexit.register(_print_summary)
 
 
@@ -115,10 +119,14 @@ def _print_summary() -> None:
         from kvguard._activate import weights as _weights
 
         _weights.stop()
+    if STATE.data is not None:
+        from kvguard._activate import data as _data
+
+        _data.stop()
     if not STATE.patched and not PROCESS.tally.calls and _is_helper_process():
         return  # torchrun's agent, a DataLoader worker: not where the targets run
     settings = STATE.settings
-    words_only = not settings.targets and not PROCESS.tally.calls  # `autograd`, `weights`: no function
+    words_only = not settings.targets and not PROCESS.tally.calls  # `autograd`, `weights`, `data`: no function
     if not words_only:
         say("\n".join(PROCESS.tally.lines(_ranks.rank_tag(), calls=str(settings.calls))))
     tag = f"kvguard [{_ranks.rank_tag()}]" if _ranks.rank_tag() else "kvguard"

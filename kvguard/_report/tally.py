@@ -187,16 +187,20 @@ class Tally:
 
 AUTOGRAD_LABEL = "autograd"  # what `guard_autograd` counts under, from code or KVGUARD_TARGETS
 WEIGHTS_LABEL = "weights"  # what KVGUARD_TARGETS=weights counts under
+DATA_LABEL = "data"  # what `guard_data` counts under, from code or KVGUARD_TARGETS
+PROCESS_LABELS = (AUTOGRAD_LABEL, WEIGHTS_LABEL, DATA_LABEL)  # one guard per process: no calls to count
 
 
 def display_label(label: str) -> str:
     """A target as it was named (`m:f(rollout_data)`, `autograd`); a guard made in code by its name."""
-    return label if ":" in label or label in (AUTOGRAD_LABEL, WEIGHTS_LABEL) else f"kvguard.guard({label})"
+    return label if ":" in label or label in PROCESS_LABELS else f"kvguard.guard({label})"
 
 
 def watched(label: str, protected: int, graphs: int, steps: int) -> str:
     """What a process guard watched (`autograd`, `weights`): `1,204 saved tensors protected in 12
     forward passes`, `148 parameters and buffers watched over 12 optimizer steps`."""
+    if label == DATA_LABEL:
+        return f"{plural(protected, 'tensor')} returned by datasets protected"
     if label == AUTOGRAD_LABEL:
         return f"{plural(protected, 'saved tensor')} protected in {plural(graphs, 'forward pass', 'forward passes')}"
     return (f"{plural(protected, 'parameter and buffer', 'parameters and buffers')} watched "
@@ -207,7 +211,7 @@ def _head(stats: TargetStats, sites: dict[SiteKey, SiteStats], calls: Optional[s
     """`3 guarded calls (…left unguarded…), 2 calls not run here (…), 84 tensors protected, 6 writes at 2 sites`;
     for what autograd saved, `1,204 saved tensors protected in 12 forward passes, no in-place writes`; for
     the weights, `148 parameters and buffers watched over 12 optimizer steps, no in-place writes`."""
-    if label in (AUTOGRAD_LABEL, WEIGHTS_LABEL):
+    if label in PROCESS_LABELS:
         writes = sum(site.writes for site in sites.values())
         return (watched(label, stats.protected, stats.graphs, stats.steps)
                 + (f", {plural(writes, 'write')} at {plural(len(sites), 'site')}" if sites else

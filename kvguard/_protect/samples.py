@@ -1,0 +1,109 @@
+"""What a dataset returned, as a protected set: each tensor from the moment it was returned.
+
+A dataset that caches, pools or reuses tensors and writes them after handing them out
+changes samples the caller already holds (Megatron-LM !4164: `GPTDataset` returned its
+cached loss mask itself, and the next sample's `loss_mask[labels == pad] = 0.0` wrote into
+every earlier one). `SampleSet.returned` queues a sample's tensors, held weakly, in a list
+the write hook watches like a guarded container; the next write op (or boundary) protects
+them in one batch. A tensor stays protected while it is alive, under the path of the
+first sample that returned it (`GPTDataset[3]['loss_mask']`).
+"""
+
+from __future__ import annotations
+
+import numbers
+import types
+import weakref
+from typing import Any, Optional
+
+import torch
+
+from kvguard._protect import tree as _tree
+from kvguard._protect.collector import collector_paused
+from kvguard._protect.entries import Entry
+from kvguard._protect.protected import ProtectedSet
+
+
+class _Returned(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a returned tensor, with its path and where it was returned from."""
+
+    __slots__ = ("path", "placed")
+
+    def __new__(cls, tensor: torch.Tensor, callback: Any, path: str, placed: Optional[str]) -> _Returned:
+        return super().__new__(cls, tensor, callback)
+
+    def __init__(self, tensor: torch.Tensor, callback: Any, path: str, placed: Optional[str]) -> None:
+        super().__init__(tensor, callback)
+        self.path = path
+        self.placed = placed
+
+
+class SampleSet(ProtectedSet):
+    """The tensors datasets returned while the guard was active, protected while they live."""
+
+    def __init__(self, name: str) -> None:
+        self._pending: list[_Returned] = []  # returned, not protected yet (the watched container)
+        self._queued: set[int] = set()  # ids of the tensors in `_pending`
+        self.samples = 0  # samples returned (a batch from `__getitems__` counts each)
+        super().__init__(self._pending, name, None, (), fingerprint=False)
+
+    def returned(self, path: str, sample: Any, placed: Optional[str]) -> None:
+        """`sample` was just returned as `path` (`GPTDataset[3]`): protect its tensors from now on."""
+        self.samples += 1
+        leaves, _ = _tree.walk(sample, path, torch.Tensor)
+        for leaf in _tree.leaves_of(leaves):
+            tensor = leaf.tensor
+            key = id(tensor)
+            if key in self._queued or self.entry_of(tensor) is not None:
+                continue  # returned before (a cache, or an outer dataset passing an inner one's sample on)
+            self._queued.add(key)
+            self._pending.append(_Returned(tensor, self._on_death, leaf.path, placed))
+            self.protected_count += 1  # protected from now: a write looks at what waits first
+
+    def look(self) -> None:
+        if self._pending:
+            self._flush()
+        elif self._dirty:
+            self._forget_dead()
+
+    def _flush(self) -> None:
+        if self._dirty:
+            self._forget_dead()
+        with collector_paused():
+            live = [(ref, tensor) for ref in self._pending if (tensor := ref()) is not None]
+            self._pending.clear()  # the watch compares it with an empty snapshot again
+            self._queued.clear()
+            records = self._records_of([tensor for _, tensor in live])
+            added = []
+            for (ref, tensor), record in zip(live, records):
+                entry = self._entries[id(tensor)] = Entry(ref.path, record, ref, ref.placed)
+                added.append(entry)
+            del live
+            self._memory.invalidate()
+            self._rebuild_index(added)
+
+    def _scan_now(self, frames: Optional[list[Any]]) -> None:
+        self._dirty = False
+        if not self._watcher.watching:
+            self._watcher.walk_all()  # the pending list, empty: what the write hook compares
+        if self._pending:
+            self._flush()
+        if self._drop_dead():
+            self._rebuild_index()
+
+    def boundary_changes(self, caller: Optional[types.FrameType], rescan: bool = True) -> list[Any]:
+        """Nothing to compare at a boundary (no fingerprints: a sample's values are its writes' to
+        tell); protects what waits and forgets the dead."""
+        self.look()
+        return []
+
+    def settle(self) -> None:
+        """A sample's path is fixed when it is returned: nothing moves it."""
+
+
+def sample_path(dataset: Any, index: Any) -> str:
+    """`GPTDataset[3]`: the dataset's class and the index as the caller gave it."""
+    if isinstance(index, numbers.Integral):
+        index = int(index)
+    text = repr(index) if not isinstance(index, (list, tuple)) or len(repr(index)) <= 40 else "[…]"
+    return f"{type(dataset).__name__}[{text}]"

@@ -1,0 +1,216 @@
+"""`guard_data()` / `KVGUARD_TARGETS=data`: what a dataset returned stays as it was returned.
+
+Megatron-LM !4164 (megatron-core 0.14.0's `GPTDataset.__getitem__`) handed out its cached
+loss mask itself, and the next sample's `loss_mask[labels == pad] = 0.0` wrote into every
+earlier sample's mask. The replica below keeps that shape.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset, TensorDataset
+
+import kvguard
+from tests.processes import run_python
+
+PAD = 0
+
+
+def line_of(marker: str) -> int:
+    return next(n for n, text in enumerate(Path(__file__).read_text().splitlines(), 1)
+                if marker in text and "line_of(" not in text)
+
+
+class GPTDataset(Dataset):  # type: ignore[type-arg]
+    """The shape of megatron-core 0.14.0's GPTDataset: a cached loss mask, written per sample."""
+
+    def __init__(self, fixed: bool = False) -> None:
+        self.fixed = fixed
+        self.cached_loss_mask: Any = None
+        self.tokens = torch.tensor([[5, 0, 7, 0], [0, 3, 3, 4], [1, 2, 0, 9]])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:  # GETITEM
+        labels = self.tokens[idx].clone()
+        if self.cached_loss_mask is None:
+            self.cached_loss_mask = torch.ones(4)
+        loss_mask = self.cached_loss_mask.clone() if self.fixed else self.cached_loss_mask
+        loss_mask[labels == PAD] = 0.0  # MASK-WRITE
+        return {"labels": labels, "loss_mask": loss_mask}
+
+
+def test_the_cached_mask_written_for_the_next_sample_is_stopped_at_its_line() -> None:
+    ds = GPTDataset()
+    first = ds[0]  # before the guard: not protected
+    with pytest.raises(kvguard.MutationError) as caught:
+        with kvguard.guard_data(action="raise"):
+            sample = ds[0]
+            ds[1]
+    event = caught.value.event
+    assert (event.path, event.op, event.lineno) == ("GPTDataset[0]['loss_mask']", "aten.index_put_.default",
+                                                   line_of("# MASK-WRITE"))
+    assert event.placed_at == f"test_data_target.py:{line_of('# GETITEM')}"
+    assert torch.equal(sample["loss_mask"], torch.tensor([1.0, 0.0, 1.0, 0.0])) and first is not None
+
+
+def test_the_fixed_dataset_writes_only_what_it_is_building() -> None:
+    with kvguard.guard_data(action="raise") as g:
+        ds = GPTDataset(fixed=True)
+        masks = [ds[i]["loss_mask"] for i in range(3)]
+    assert not g.report.events and g.protected_count == 6
+    assert [m.tolist() for m in masks] == [[1, 0, 1, 0], [0, 1, 1, 1], [1, 1, 0, 1]]
+
+
+def test_through_a_dataloader_subset_and_concat_the_inner_dataset_names_it() -> None:
+    ds = ConcatDataset([Subset(GPTDataset(), [2, 0]), GPTDataset(fixed=True)])
+    with kvguard.guard_data(action="record") as g:
+        for _ in DataLoader(ds, batch_size=2):
+            pass
+    assert {e.path for e in g.report.events} == {"GPTDataset[2]['loss_mask']"}  # Subset's 0 is GPTDataset's 2
+
+
+def test_a_transform_that_writes_a_cached_tensor() -> None:
+    class Normalize:  # torchvision-style, in place
+        def __call__(self, image: torch.Tensor) -> torch.Tensor:
+            return image.sub_(0.5)  # TRANSFORM
+
+    class Images(Dataset):  # type: ignore[type-arg]
+        def __init__(self) -> None:
+            self.cache: dict[int, torch.Tensor] = {}
+            self.transform = Normalize()
+
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, idx: int) -> torch.Tensor:
+            if idx not in self.cache:
+                self.cache[idx] = torch.ones(3)
+            return self.transform(self.cache[idx])
+
+    with kvguard.guard_data(action="record") as g:
+        ds = Images()
+        ds[1]
+        ds[1]  # the second epoch normalises the cached image again
+    assert [(e.path, e.lineno) for e in g.report.events] == [("Images[1]", line_of("# TRANSFORM"))]
+
+
+def test_a_collate_function_writing_a_sample_in_place() -> None:
+    def collate(batch: list[torch.Tensor]) -> torch.Tensor:
+        for sample in batch:
+            sample.mul_(2)  # COLLATE
+        return torch.stack(batch)
+
+    data = torch.arange(6.0).reshape(3, 2)
+    with kvguard.guard_data(action="record") as g:
+        for _ in DataLoader(TensorDataset(data), batch_size=3, collate_fn=lambda b: collate([s[0] for s in b])):
+            pass
+    assert [(e.path, e.lineno) for e in g.report.events] == [
+        (f"TensorDataset[{i}][0]", line_of("# COLLATE")) for i in range(3)]
+    assert torch.equal(data, torch.arange(6.0).reshape(3, 2) * 2)  # the dataset's own storage changed
+
+
+def test_getitems_names_each_sample_and_the_wrapping_goes_with_the_last_guard() -> None:
+    class Batched(Dataset):  # type: ignore[type-arg]
+        def __init__(self) -> None:
+            self.rows = torch.zeros(4, 2)
+
+        def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+            return [self.rows[i] for i in indices]
+
+    original = GPTDataset.__dict__["__getitem__"]
+    with kvguard.guard_data(action="record") as g:
+        ds = Batched()
+        assert GPTDataset.__dict__["__getitem__"] is not original
+        rows = ds.__getitems__([3, 1])
+        rows[1].add_(1)
+    assert [e.path for e in g.report.events] == ["Batched[1]"]
+    assert GPTDataset.__dict__["__getitem__"] is original and "__kvguard_data__" not in vars(Batched.__getitems__)
+
+
+JOB = textwrap.dedent("""\
+    import sys
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    class GPTDataset(Dataset):
+        def __init__(self):
+            self.cached_loss_mask = None
+            self.tokens = torch.tensor([[5, 0, 7, 0], [0, 3, 3, 4], [1, 2, 0, 9], [4, 4, 0, 4]])
+        def __len__(self):
+            return 4
+        def __getitem__(self, idx):
+            labels = self.tokens[idx].clone()
+            if self.cached_loss_mask is None:
+                self.cached_loss_mask = torch.ones(4)
+            loss_mask = self.cached_loss_mask
+            loss_mask[labels == 0] = 0.0
+            return {"labels": labels, "loss_mask": loss_mask}
+
+    if __name__ == "__main__":
+        for batch in DataLoader(GPTDataset(), batch_size=2, num_workers=2):
+            pass
+        print("not caught")
+""")
+
+
+def test_the_switch_reaches_dataloader_workers(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    done = run_python("-m", "kvguard", "run", "--", sys.executable, script, KVGUARD="raise", KVGUARD_TARGETS="data")
+    assert done.returncode == 1 and "not caught" not in done.stdout, done.stdout + done.stderr
+    assert "kvguard.MutationError: Caught MutationError in DataLoader worker process" in done.stderr
+    assert "GPTDataset[0]['loss_mask'] would be modified in place by aten.index_put_.default at job.py:16" \
+        in done.stderr
+    assert "kvguard [DataLoader worker 0]: data: " in done.stderr
+
+
+@pytest.fixture(scope="module")
+def megatron_core_wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """megatron-core 0.14.0 (Megatron-LM !4164's bug) and 0.15.0 (its fix), unpacked, not installed."""
+    import subprocess
+    import zipfile
+
+    out = tmp_path_factory.mktemp("megatron")
+    roots = {}
+    for version in ("0.14.0", "0.15.0"):
+        try:
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                            "-d", str(out / version), f"megatron-core=={version}"],
+                           check=True, capture_output=True, timeout=300)
+        except (subprocess.SubprocessError, OSError) as exc:
+            pytest.skip(f"cannot download megatron-core {version} here: {exc}")
+        (wheel,) = (out / version).glob("megatron_core-*.whl")
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(out / version / "site")
+        roots[version] = out / version / "site"
+    return roots
+
+
+@pytest.mark.slow
+def test_real_megatron_core_gpt_dataset_caught_at_its_line_and_the_fix_clean(
+        megatron_core_wheels: dict[str, Path]) -> None:
+    job = Path(__file__).parent / "fake_frameworks" / "jobs" / "megatron_gpt_data.py"
+
+    def run(version: str) -> Any:
+        path = os.pathsep.join([str(megatron_core_wheels[version]), os.environ.get("PYTHONPATH", "")])
+        return run_python("-W", "ignore", "-m", "kvguard", "run", "--", sys.executable, "-W", "ignore", job,
+                          KVGUARD="raise", KVGUARD_TARGETS="data", PYTHONPATH=path, timeout=300)
+
+    buggy = run("0.14.0")
+    assert buggy.returncode == 1, buggy.stdout + buggy.stderr
+    assert ("kvguard.MutationError: GPTDataset[0]['loss_mask'] would be modified in place by "
+            "aten.index_put_.default at gpt_dataset.py:211\n"
+            "  code     loss_mask[labels == self._pad_token_id] = 0.0\n") in buggy.stderr
+    fixed = run("0.15.0")
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert "GPTDataset 2 " in fixed.stdout
+    assert fixed.stderr.rstrip().endswith("tensors returned by datasets protected, no in-place writes")
