@@ -422,3 +422,23 @@ def test_a_weakly_bound_step_reads_as_a_bound_method() -> None:
     assert bound.__self__ is None
     with pytest.raises(ReferenceError):
         bound(3)
+
+
+# -- 7. an FSDP-style free of a protected tensor's storage, under every engine and level ------------
+
+ENGINES = ("compiled", "kernels", "mode")
+
+
+@pytest.mark.parametrize("level", ["full", "light"])
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
+def test_a_storage_freed_inside_the_guard_is_found_at_exit(engine: str, level: str) -> None:
+    x = torch.randn(16)
+    kept = torch.randn(8)
+    moved = torch.randn(8)
+    batch = {"x": x, "view": x[4:8], "kept": kept, "moved": moved}
+    with kvguard.guard(batch, action="record", level=level) as g:
+        x.untyped_storage().resize_(0)  # FSDP's free: no op writes, the memory is gone
+        moved.share_memory_()  # a move that keeps the values: no change
+    assert sorted((e.path, e.kind) for e in g.report.events) == [("batch['view']", "unobserved"),
+                                                                 ("batch['x']", "unobserved")]
+    assert all("memory changed" in e.diff for e in g.report.events)

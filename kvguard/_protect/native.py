@@ -503,7 +503,10 @@ class NativeSet(ProtectedSet):
                 self._py_records[row] = self._records_of([tensor], digest=False)[0]
                 self._py_memory.invalidate()
                 continue
-            if not self._fingerprint or old[DIGEST] is None and row not in self._py_digests:
+            # As `ProtectedSet._compare`: a move whose values cannot be compared, before or now (a
+            # storage freed with `resize_(0)` has no digest), is a change.
+            lost = old[DIGEST] is None or table.record(row)[DIGEST] is None
+            if not self._fingerprint or lost and row not in self._py_digests:
                 found.append(Change(self._entry(row), tensor, "memory", _records.layout_text(old),
                                     _records.tensor_text(tensor)))
         # The rows whose record or digest Python keeps: `ProtectedSet`'s comparison.
