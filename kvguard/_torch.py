@@ -757,21 +757,24 @@ def on_swap_tensors(listener: SwapListener) -> Callable[[], None]:
 
 DataListener = Callable[[torch.Tensor], Callable[[bool], None]]  # after(assigned)
 _data_listeners: list[DataListener] = []
+_data_lock = threading.Lock()
 _DATA = torch._C.TensorBase.__dict__["data"]  # the C getset descriptor every tensor class inherits
 DATA_OP = "Tensor.data assignment"
 
 
 def on_data_assignment(listener: DataListener) -> Callable[[], None]:
     """Call `listener(t)` before every `t.data = ...`; it returns what to run after. Returns the undo."""
-    if not _data_listeners:
-        torch.Tensor.data = _DATA_PROPERTY  # type: ignore[assignment]
-    _data_listeners.append(listener)
+    with _data_lock:  # guards enter and exit on any thread: the property goes with the last listener
+        if not _data_listeners:
+            torch.Tensor.data = _DATA_PROPERTY  # type: ignore[assignment]
+        _data_listeners.append(listener)
 
     def remove() -> None:
-        if listener in _data_listeners:
-            _data_listeners.remove(listener)
-        if not _data_listeners and torch.Tensor.__dict__.get("data") is _DATA_PROPERTY:
-            del torch.Tensor.data
+        with _data_lock:
+            if listener in _data_listeners:
+                _data_listeners.remove(listener)
+            if not _data_listeners and torch.Tensor.__dict__.get("data") is _DATA_PROPERTY:
+                del torch.Tensor.data
     return remove
 
 
