@@ -133,10 +133,15 @@ def _learn(func: Any) -> OpFacts:
                  and str(schema.arguments[0].type) == "Tensor")
     # An aten functional op that writes an argument (`rrelu_with_noise`'s noise, batch norm's
     # running statistics) bumps no version counter: autograd's check never sees that write either.
-    functional = (getattr(func, "namespace", "") == "aten" and not base_name.endswith("_")
-                  and not {torch.Tag.inplace, torch.Tag.out} & set(getattr(func, "tags", ())))
-    return OpFacts(written, kind, self_only, any(a.kwarg_only for a in written),
-                   undeclared is not None or (functional and kind == "write"))
+    resizes = any(a.kwarg_only for a in written)  # `out=` arguments are keyword-only
+    functional = (getattr(func, "namespace", "") == "aten" and not base_name.endswith("_") and not resizes
+                  and not _INPLACE_OR_OUT_TAGS & set(getattr(func, "tags", ())))
+    return OpFacts(written, kind, self_only, resizes, undeclared is not None or (functional and kind == "write"))
+
+
+# `Tag.inplace` is newer than torch 2.11; the name and keyword-only `out=` tell the rest.
+_INPLACE_OR_OUT_TAGS = frozenset(t for t in (getattr(torch.Tag, "inplace", None), getattr(torch.Tag, "out", None))
+                                 if t is not None)
 
 
 def written_tensors(facts: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
