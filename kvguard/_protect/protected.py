@@ -327,7 +327,11 @@ class ProtectedSet:
     def _compare(self, live: list[tuple[Entry, torch.Tensor]]) -> tuple[list[Change], bool]:
         """What changed in each (entry, its live tensor) since its digest, each entry then following
         its tensor; and whether any moved (the caller tells the hook)."""
-        records = self._records_of([t for _, t in live])
+        return self._compare_records(live, self._records_of([t for _, t in live]))
+
+    def _compare_records(self, live: list[tuple[Entry, torch.Tensor]],
+                         records: list[_records.Record]) -> tuple[list[Change], bool]:
+        """`_compare` with each live tensor's record read already."""
         agrees = _digest.same_all([e.digest for e, _ in live], [r[DIGEST] for r in records])
         found = []
         moved = False

@@ -30,6 +30,7 @@ from kvguard._protect import digest as _digest
 from kvguard._protect.collector import collector_paused
 from kvguard._protect.entries import Change, Entry
 from kvguard._protect.protected import ProtectedSet
+from kvguard._protect.records import DIGEST, LAYOUT
 
 # Functions whose writes to a guarded module's weights are its own (any module of the guarded tree).
 _LOADING = frozenset({"load_state_dict", "_load_from_state_dict", "load_weights"})  # torch's, vLLM's
@@ -65,6 +66,7 @@ class ModuleSet(ProtectedSet):
         # and what changed in them, with no op reporting it, before that write would absorb it.
         self._pending: dict[int, Entry] = {}
         self._early: list[Change] = []
+        self._later = DeviceComparisons()  # such comparisons on a device, read at the next boundary
         super().__init__([], modules[0][0] if modules else "model", None, (), fingerprint=fingerprint)
 
     # -- entries ---------------------------------------------------------------------
@@ -178,7 +180,33 @@ class ModuleSet(ProtectedSet):
         self._absorb_calls()
         found = super().boundary_changes(caller, rescan=False)
         early, self._early = self._early, []
-        return early + found
+        later = [Change(e, t, "values", None, None) for e in self._later.collect() if (t := e.ref()) is not None]
+        return early + later + found
+
+    def _compare_soon(self, live: list[tuple[Entry, torch.Tensor]]) -> tuple[list[Change], bool]:
+        """`ProtectedSet._compare` without a host synchronisation: digests kept on a device are
+        compared there and read at the next boundary (`DeviceComparisons`), which syncs anyway;
+        the others now. Every entry's digest then starts again from its values now."""
+        records = self._records_of([t for _, t in live])
+        now_host: list[tuple[Entry, torch.Tensor, Any]] = []
+        on_device: dict[Any, list[tuple[Entry, Any, Any]]] = {}
+        moved = False
+        for (entry, tensor), record in zip(live, records):
+            was, now = entry.digest, record[DIGEST]
+            if not (isinstance(was, torch.Tensor) and isinstance(now, torch.Tensor) and was.device == now.device):
+                now_host.append((entry, tensor, record))
+                continue
+            if not entry.explained:  # (an explained change is no finding: its digest only starts again)
+                on_device.setdefault(now.device, []).append((entry, was, now))
+            if record[LAYOUT] != entry.record[LAYOUT]:
+                entry.record, moved = record, True  # follow it to its memory now
+            entry.digest, entry.explained = now, False
+        for triples in on_device.values():
+            self._later.add([e for e, _, _ in triples], [w for _, w, _ in triples], [n for _, _, n in triples])
+        if not now_host:
+            return [], moved
+        found, host_moved = self._compare_records([(e, t) for e, t, _ in now_host], [r for _, _, r in now_host])
+        return found, moved or host_moved
 
     def _settle(self) -> None:
         """The intended writes looked at so far are done: their entries' digests start again from now."""
@@ -198,7 +226,7 @@ class ModuleSet(ProtectedSet):
         fresh = [e for e in intended if id(e) not in self._pending and not e.explained]
         if self._fingerprint and fresh:
             with collector_paused():
-                found, moved = self._compare([(e, t) for e in fresh if (t := e.ref()) is not None])
+                found, moved = self._compare_soon([(e, t) for e in fresh if (t := e.ref()) is not None])
             self._early += found
             if moved:
                 self._rebuild_index()
@@ -246,7 +274,7 @@ class ModuleSet(ProtectedSet):
         self._absorb_calls()
         stepping = self._step_entries(tensors)
         with collector_paused():
-            found, moved = self._compare([(e, t) for e in stepping if (t := e.ref()) is not None])
+            found, moved = self._compare_soon([(e, t) for e in stepping if (t := e.ref()) is not None])
         if moved:
             self._rebuild_index()
         early, self._early = self._early, []
@@ -316,7 +344,7 @@ class ModuleSet(ProtectedSet):
                     return hit  # load_state_dict of a guarded module: every write is its own
                 if id(owner) in modules and name == "_apply" and _is_conversion(frame):
                     return hit  # a conversion (`to`, `half`) re-points with `.data =`; `converting` follows
-                if issubclass(type(owner), DistributedDataParallel) and id(owner.module) in modules:
+                if issubclass(type(owner), DistributedDataParallel) and id(getattr(owner, "module", None)) in modules:
                     return hit  # DDP's broadcast of the module's buffers and parameters
                 if name == "forward" and owner is not None:
                     intended += [e for e in hit if e not in intended and owners.get(id(e)) is owner]
@@ -391,6 +419,7 @@ class ModuleSet(ProtectedSet):
         self._stepping.clear()
         self._pending.clear()
         self._early = []
+        self._later = DeviceComparisons()
         self._owner.clear()
         self._roots = []
         super().close()
@@ -411,3 +440,35 @@ def _is_conversion(frame: types.FrameType) -> bool:
         return old is not None and new is not None and (old.dtype, old.device) != (new.dtype, new.device)
     except Exception:  # noqa: BLE001 - not tensors: not a conversion we can tell
         return False
+
+
+class DeviceComparisons:
+    """Digest comparisons made on a device and read at the next boundary.
+
+    Reading a comparison back at each optimizer step would synchronise the host with the
+    device once per step; instead each set of entries keeps one flag per entry on its
+    device ("changed at some comparison since the last boundary"), combined out of place.
+    """
+
+    def __init__(self) -> None:
+        self._sets: dict[tuple[int, ...], tuple[list[Entry], torch.Tensor]] = {}
+
+    def add(self, entries: list[Entry], was: list[torch.Tensor], now: list[torch.Tensor]) -> None:
+        """Compare `was` with `now` (0-d digests on one device), entry by entry, on the device."""
+        key = tuple(map(id, entries))
+        differs = torch.stack(was) != torch.stack(now)
+        held = self._sets.get(key)
+        self._sets[key] = (entries, differs if held is None else held[1] | differs)
+
+    def collect(self) -> list[Entry]:
+        """The entries whose digests differed at some comparison since the last `collect` (one read
+        per set: the host waits for the device here)."""
+        sets, self._sets = self._sets, {}
+        found: list[Entry] = []
+        seen: set[int] = set()
+        for entries, flags in sets.values():
+            for entry, changed in zip(entries, flags.tolist()):
+                if changed and id(entry) not in seen:
+                    seen.add(id(entry))
+                    found.append(entry)
+        return found
