@@ -299,6 +299,9 @@ def graph_capture(name: str) -> None:
 
 
 def timing(rounds: int) -> None:
+    if rounds < 1:
+        return
+
     def sync() -> None:
         if DEVICE == "cuda":
             torch.cuda.synchronize()
@@ -396,6 +399,8 @@ def training(rounds: int) -> None:
 
 def step_ratio(title: str, args: list[str], rounds: int) -> None:
     """Guarded / unguarded median step time, processes alternated, median of per-round ratios."""
+    if rounds < 1:
+        return
     ratios, plain_ms, guarded_ms = [], [], []
     for _ in range(rounds):
         _, out, plain = train(args, guarded=False)
@@ -429,11 +434,11 @@ def real_models(names: list[str], rounds: int) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=20, help="rounds of the rollout timing (0: none)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--skip-train", action="store_true", help="only the rollout checks (no subprocesses)")
     parser.add_argument("--models", default="gpt2,llama", help="transformers models to time ('' for none)")
-    parser.add_argument("--train-rounds", type=int, default=2)
+    parser.add_argument("--train-rounds", type=int, default=2, help="timed rounds per step-time row (0: none)")
     opts = parser.parse_args()
     global DEVICE
     DEVICE = opts.device
