@@ -463,3 +463,49 @@ def test_the_env_switch_sees_inside_checkpointed_layers(tmp_path: Any, bug: bool
         # recomputation (the checkpoint stops it at the last).
         assert result.stderr.strip() == ("kvguard: autograd: 16 saved tensors protected in 2 forward passes, "
                                          "no in-place writes")
+
+
+def test_offloading_hooks_that_keep_ids_and_hooks_that_fail_behave_as_without_kvguard() -> None:
+    """An offloader keeping tensors by id (torchtune's style) is composed; a pack that raises raises as it would."""
+    stash: dict[int, torch.Tensor] = {}
+
+    def pack(t: torch.Tensor) -> int:
+        stash[len(stash)] = t.clone()  # a copy "offloaded"
+        return len(stash) - 1
+
+    x = torch.randn(3, requires_grad=True)
+    with kvguard.guard_autograd(action="record") as g:
+        with torch.autograd.graph.saved_tensors_hooks(pack, stash.pop):
+            y = x.exp()
+        y.add_(1)  # backward reads the copy: harmless here, a bug without the offloader
+        y.sum().backward()
+    assert [e.path for e in g.report.events] == ["<saved by ExpBackward0: result>"] and not stash
+    assert torch.allclose(x.grad, x.detach().exp())
+
+    def broken(t: torch.Tensor) -> Any:
+        raise ValueError("cannot pack")
+
+    for guarded in (False, True):
+        with pytest.raises(ValueError, match="cannot pack"):
+            with kvguard.guard_autograd(action="raise") if guarded else torch.enable_grad():
+                with torch.autograd.graph.saved_tensors_hooks(broken, lambda t: t):
+                    x.exp()
+
+
+@pytest.mark.parametrize("how", ["retain_graph", "create_graph"])
+def test_checkpoint_backward_twice_and_double_backward_are_bitwise_the_same(how: str) -> None:
+    def grads() -> torch.Tensor:
+        x = torch.linspace(-1, 1, 6, requires_grad=True)
+        out = checkpoint(lambda t: (t @ W[:6, :6]).tanh().pow(3), x.expand(2, 6), use_reentrant=False).sum()
+        if how == "retain_graph":
+            out.backward(retain_graph=True)
+            out.backward()
+        else:
+            (g1,) = torch.autograd.grad(out, x, create_graph=True)
+            g1.pow(2).sum().backward()
+        return x.grad
+
+    plain = grads()
+    with kvguard.guard_autograd(action="raise") as g:
+        guarded = grads()
+    assert g.report.ok and torch.equal(plain, guarded)
