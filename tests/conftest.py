@@ -7,11 +7,19 @@ The tests of what a guard sees run once per engine (`compiled`, `kernels`, `mode
 see `kvguard._engine.choice`): the `engine` fixture sets `KVGUARD_ENGINE` for the test.
 Where the compiled engine cannot be built the tests skip, except under CI, where
 they fail: CI has a compiler.
+
+The README's quick command (`-m 'not slow'`) runs each such test under one engine, chosen
+from the test's id (stable as tests come and go, each engine a share of every module); the
+other engines' runs are marked `slow`, so CI's second tier (`-m slow`) completes the
+matrix. A test whose outcome differs between engines (`every_engine`) runs under each in
+both. Where the one engine chosen is not available here, the quick run uses another
+rather than skip, so no behaviour goes untested on a machine without a compiler.
 """
 
 from __future__ import annotations
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -36,6 +44,8 @@ PER_ENGINE = {"test_guard", "test_channels", "test_odd_tensors", "test_never_cra
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "any_engine: in a per-engine module, run once under the automatic choice")
+    config.addinivalue_line("markers", "every_engine: its outcome differs between engines: the quick run "
+                            "(-m 'not slow') runs it under every engine, not one")
     config.addinivalue_line("markers", "slow: a test of many processes or a whole tool run (10-30 s of CPU each); "
                             "the README's test command leaves them out (-m 'not slow'), CI runs them too")
 
@@ -44,6 +54,51 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if (metafunc.module.__name__.rpartition(".")[2] in PER_ENGINE and "engine" in metafunc.fixturenames
             and metafunc.definition.get_closest_marker("any_engine") is None):
         metafunc.parametrize("engine", ENGINES, indirect=True)
+
+
+# The fixtures that take an engine as their parameter (`engine` here, and modules' own).
+ENGINE_PARAMS = ("engine", "each_engine")
+
+
+def _engine_of(item: pytest.Item) -> str | None:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    for name in ENGINE_PARAMS:
+        if params.get(name) in ENGINES:
+            return str(params[name])
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """One engine per test in the quick run, the others in the slow tier (see the docstring)."""
+    groups: dict[str, list[tuple[pytest.Item, str]]] = {}
+    for item in items:
+        name = _engine_of(item)
+        if name is None or item.get_closest_marker("every_engine") is not None:
+            continue
+        base, _, ids = item.nodeid.partition("[")
+        parts = ids.rstrip("]").split("-")
+        parts.remove(name)
+        groups.setdefault(base + "[" + "-".join(parts) + "]", []).append((item, name))
+    for key, members in groups.items():
+        if len(members) < 2:
+            continue
+        present = sorted({name for _, name in members}, key=ENGINES.index)
+        chosen = present[zlib.crc32(key.encode()) % len(present)]
+        for item, name in members:
+            if name == chosen:
+                item.stash[_QUICK] = True
+            else:
+                item.add_marker(pytest.mark.slow)
+
+
+_QUICK = pytest.StashKey[bool]()
+
+
+def _stand_in(name: str) -> str | None:
+    """The engine a quick run uses where `name` is not available here (None: none is)."""
+    from kvguard._engine import choice as _choice
+
+    return next((other for other in ENGINES if other != name and _choice.why_not(other) is None), None)
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +113,10 @@ def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     if why is not None:
         if os.environ.get("CI") and name == "compiled":
             pytest.fail(f"the compiled engine is not available under CI: {why}")
-        pytest.skip(f"the {name} engine is not available here: {why}")
+        other = _stand_in(name) if request.node.stash.get(_QUICK, False) else None
+        if other is None:
+            pytest.skip(f"the {name} engine is not available here: {why}")
+        name = other  # this test's one engine in the quick run: run it under another, not skip it
     monkeypatch.setenv("KVGUARD_ENGINE", name)
     if name != "compiled":  # as where there is no compiler: the protected set reads tensors in Python too
         from kvguard._protect import records as _records

@@ -607,6 +607,7 @@ class _no_raise:
         return False
 
 
+@pytest.mark.every_engine
 @pytest.mark.parametrize("row", [r.param() for r in VISIBLE])
 def test_channel_raise_blocks_before_the_write(row: Row, tmp_path: Path, engine: str) -> None:
     ctx = row.setup(tmp_path)
@@ -643,6 +644,7 @@ def test_channel_raise_blocks_before_the_write(row: Row, tmp_path: Path, engine:
         _run_cleanup(ctx)
 
 
+@pytest.mark.every_engine
 @pytest.mark.parametrize("row", [r.param() for r in VISIBLE])
 def test_channel_record_lets_the_write_land(row: Row, tmp_path: Path, capsys: Any, engine: str) -> None:
     ctx = row.setup(tmp_path)
@@ -826,6 +828,7 @@ UNSEEN = [
 ]
 
 
+@pytest.mark.every_engine
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # inductor's imports, not kvguard
 @pytest.mark.parametrize("level", ["full", "light"])
 @pytest.mark.parametrize("mutate", UNSEEN)

@@ -76,6 +76,7 @@ def _foreach() -> list[torch.Tensor]:
     return [x, y]
 
 
+@pytest.mark.every_engine
 @pytest.mark.parametrize("program", [_add_, _mul_, _out, _foreach], ids=["add_", "mul_", "out=", "_foreach_add_"])
 def test_version_counters_are_as_unguarded(engine: str, program: Callable[[], list[torch.Tensor]]) -> None:
     plain = [(t._version, t.tolist()) for t in program()]
@@ -203,6 +204,7 @@ def test_the_outer_guard_still_raises_after_the_inner_exits(engine: str) -> None
 
 # 5. A write from another Python thread.
 
+@pytest.mark.every_engine
 def test_a_write_from_another_thread(engine: str) -> None:
     batch = {"t": torch.zeros(3)}
 
@@ -487,6 +489,7 @@ def test_an_inference_tensor_placed_during_the_guard_is_watched(engine: str) -> 
         ("rd['late']", "aten.add_.Tensor", True)]
 
 
+@pytest.mark.every_engine
 def test_an_inference_tensor_placed_then_written_at_once_is_found(engine: str) -> None:
     if engine != "mode":
         pytest.xfail("the write hooks notice a placement at the next write they see; this one is invisible "
@@ -499,6 +502,7 @@ def test_an_inference_tensor_placed_then_written_at_once_is_found(engine: str) -
     assert [(e.path, e.kind) for e in g.report.events] == [("rd['late']", "write")]
 
 
+@pytest.mark.every_engine
 def test_the_inference_watch_is_on_only_while_an_inference_tensor_is_protected(engine: str) -> None:
     """No inference tensor protected: this thread's dispatch keys are as unguarded (no per-op cost)."""
     before = torch._C._dispatch_tls_local_include_set()
@@ -583,6 +587,7 @@ def _late_scale_body(x: torch.Tensor) -> None:
     x.mul_(2)  # INSIDE THE CUSTOM OP
 
 
+@pytest.mark.every_engine
 def test_a_custom_op_defined_after_the_first_guard_is_named(engine: str) -> None:
     with _unrelated():  # the write hook is installed by now
         pass
@@ -681,6 +686,7 @@ def test_nested_record_and_warn_guards_both_record_a_landed_write(engine: str) -
     assert outer == [("outer['x']", False)] and inner == [("inner['tail']", False)] and raised is None
 
 
+@pytest.mark.every_engine
 def test_a_guard_on_another_thread_records_a_write_this_threads_guard_blocked(engine: str) -> None:
     x = torch.zeros(4)
     entered, leave = threading.Event(), threading.Event()

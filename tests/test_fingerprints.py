@@ -89,6 +89,7 @@ def _apply(x: torch.Tensor) -> None:
 UNSEEN = [_numpy, _memmove, _thread, _apply]
 
 
+@pytest.mark.every_engine
 @pytest.mark.parametrize("level", ["full", "light"])
 @pytest.mark.parametrize("write", UNSEEN, ids=lambda f: f.__name__.strip("_"))
 def test_writes_no_op_reports_are_found_at_exit(write: Callable[[torch.Tensor], None], level: str,

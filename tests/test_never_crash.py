@@ -337,6 +337,7 @@ def test_an_uncaught_error_traceback_ends_at_the_users_line(tmp_path: Path) -> N
     assert "kvguard.MutationError: rd['kl'][0] would be modified in place by aten.mul_.Tensor" in result.stderr
 
 
+@pytest.mark.every_engine
 def test_a_guard_exited_on_another_thread_stops_acting(engine: str) -> None:
     import threading
 

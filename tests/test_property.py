@@ -63,7 +63,9 @@ A failure prints the program as code, each step followed by the oracle's verdict
 
 KVGUARD_HYPOTHESIS_EXAMPLES sets the number of generated programs under the compiled engine
 (default 600; a third of that under the kernels and mode engines: about 35 s for the whole
-file on one core of a 2-core machine); for a longer local
+file on one core of a 2-core machine) in the `slow` tier CI runs; the README's quick command
+(-m 'not slow') runs QUICK_EXAMPLES of them (and every hand-made one) under one engine
+(KVGUARD_HYPOTHESIS_QUICK_EXAMPLES, default 100); for a longer local
 hunt, e.g. `KVGUARD_HYPOTHESIS_EXAMPLES=5000 pytest tests/test_property.py` (a few
 minutes).
 """
@@ -90,6 +92,7 @@ from hypothesis import strategies as st
 import kvguard
 
 EXAMPLES = int(os.environ.get("KVGUARD_HYPOTHESIS_EXAMPLES", "600"))
+QUICK_EXAMPLES = int(os.environ.get("KVGUARD_HYPOTHESIS_QUICK_EXAMPLES", "100"))
 KEEP_KNOWN_BUGS = os.environ.get("KVGUARD_PROPERTY_KNOWN_BUGS", "").strip().lower() not in ("", "0", "no", "off")
 VARIANTS = (("full", "record"), ("full", "raise"), ("light", "record"), ("light", "raise"))
 
@@ -1256,16 +1259,20 @@ def _agrees_with_the_oracle(prog: Program) -> None:
     assert not problems, "kvguard disagrees with the oracle\n" + "\n".join(problems)
 
 
-def test_reports_exactly_the_changes_to_protected_memory(engine: str) -> None:
+@pytest.mark.parametrize("depth", ["quick", pytest.param("full", marks=pytest.mark.slow)])
+def test_reports_exactly_the_changes_to_protected_memory(engine: str, depth: str) -> None:
     """The generated programs and the hand-made ones, under each engine.
 
     The default engine (`compiled`) runs all EXAMPLES programs; the fallbacks, which share
     every part of the guard but the hook, a third of them (the hand-made ones in full).
+    The quick depth (the README's command: one engine) runs QUICK_EXAMPLES programs.
     """
     check = given(prog=programs())(_agrees_with_the_oracle)
     for prog in HAND_MADE:
         check = example(prog=prog)(check)
     examples = EXAMPLES if engine in ("compiled", "auto") else max(1, EXAMPLES // 3)
+    if depth == "quick":
+        examples = min(examples, QUICK_EXAMPLES)
     settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow])(check)()
 
 

@@ -78,18 +78,24 @@ SAMPLE_STRIDE = 40
 
 
 @pytest.fixture(scope="module")
-def subset() -> Any:
+def subset_cases() -> Any:
     cases = sweep.select_cases(NORMALIZATION + OTHERS)
     names = {c.name for c in cases}
     cases += [c for c in sweep.select_cases(sources=["op_db"], stride=SAMPLE_STRIDE) if c.name not in names]
+    return cases
+
+
+@pytest.fixture(scope="module")
+def subset(subset_cases: Any) -> Any:
+    cases = subset_cases
     start = time.process_time()  # CPU seconds: the machine running CI may be shared
     result = sweep.run_sweep(cases, sweep.Options(backward=True))
     result.cpu_seconds = time.process_time() - start
     return cases, result
 
 
-def test_subset_covers_the_normalization_ops(subset: Any) -> None:
-    cases, _ = subset
+def test_subset_covers_the_normalization_ops(subset_cases: Any) -> None:
+    cases = subset_cases  # the selection alone: the sweep itself runs once, for the next test
     names = {c.name for c in cases}
     for wanted in ["nn.BatchNorm1d", "nn.BatchNorm2d", "nn.BatchNorm3d", "nn.InstanceNorm1d",
                    "nn.functional.batch_norm", "native_batch_norm", "_native_batch_norm_legit",
@@ -126,6 +132,7 @@ def test_sweep_fails_on_a_write_missing_from_the_table(table: dict[str, Any],
     assert "FAIL: aten::native_batch_norm running_mean, aten::native_batch_norm running_var missing" in out
 
 
+@pytest.mark.every_engine
 def test_eval_calls_do_not_count_as_writes(table: dict[str, Any], engine: str) -> None:
     """A table entry without its `training` condition would flag every eval-mode call."""
     if engine in ("compiled", "kernels"):
@@ -270,6 +277,7 @@ def test_training_without_tracked_statistics_writes_nothing_protected() -> None:
     assert g.report.ok
 
 
+@pytest.mark.every_engine
 @pytest.mark.parametrize("call", [
     pytest.param(lambda x, rm, rv: torch.nn.functional.batch_norm(x, rm, rv, training=True), id="F.batch_norm"),
     pytest.param(lambda x, rm, rv: torch.batch_norm(x, None, None, rm, rv, True, 0.1, 1e-5, False),
