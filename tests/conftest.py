@@ -56,6 +56,116 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("engine", ENGINES, indirect=True)
 
 
+# Left out of the README's quick command (-m 'not slow'), run by CI's slow tier: a test id
+# (all its parameters) or an id with parameters, and why. Each starts fresh Python processes
+# (about 3 CPU-seconds each, torch's import) or runs a whole tool (a C++ build, a wheel,
+# a benchmark, two ranks); what it checks is a scenario or a variant of a behaviour that a
+# test the quick command keeps (named here) checks too, in-process or in one such process.
+QUICK_LEAVES_OUT = {
+    # builds of the compiled hook (real compiles, or a compiler that fails): tool runs
+    "test_cli.py::test_a_failed_build_is_remembered_until_rebuild": "a build",
+    "test_cli.py::test_build_without_a_compiler_is_one_line_and_exit_1": "a build",
+    "test_cli.py::test_engines_without_a_compiler": "a build",
+    "test_cli.py::test_a_built_hook_that_does_not_load_fails_the_build": "a build",
+    "test_cli.py::test_build_finds_the_cached_hook": "a build",
+    "test_write_hook.py::test_a_failed_build_is_remembered": "a build",
+    "test_write_hook.py::test_build_without_a_compiler_returns_none_with_a_reason": "a build",
+    "test_write_hook.py::test_two_processes_building_together_build_once_and_both_load": "two builds",
+    "test_engines.py::test_without_a_compiler_the_kernels_engine_guards": "a build",
+    "test_engines.py::test_without_a_compiler_and_no_cxx_the_reason_says_set_cxx": "a build",
+    "test_engines.py::test_the_compiled_engine_in_a_fresh_process": "the engines' processes; kept: the engine fixture",
+    # whole tool runs: benchmarks, the GPU check, a wheel, torchrun and gloo ranks, the docs site
+    "test_benchmark.py": "benchmark runs",
+    "test_bench_suite.py": "benchmark runs",
+    "test_gpu_check.py": "the GPU check's runs",
+    "test_startup.py::test_wheel_ships_pth_and_start_files": "a wheel build",
+    "test_startup.py::test_torchrun_two_ranks_write_per_rank_files": "two ranks",
+    "test_fingerprints.py::test_dtensor_on_two_gloo_processes": "two gloo ranks",
+    "test_docs.py::test_mkdocs_build_strict": "CI builds the site (.ci/run)",
+    "test_readme_flow.py::test_demo_then_tests_then_env_var_section": "the README's flow; kept: test_examples",
+    # the docs' samples: kept, the getting-started page's
+    "test_docs.py::test_samples_run[cli.md]": "a page's samples",
+    "test_docs.py::test_samples_run[engines.md]": "a page's samples",
+    "test_docs.py::test_samples_run[tests.md]": "a page's samples",
+    "test_docs.py::test_samples_run[weights.md]": "a page's samples",
+    "test_docs.py::test_report_fields_are_the_documented_ones": "kept: test_reports' schema of records",
+    # variants of a start-up behaviour one kept test checks in a fresh process
+    "test_cli.py::test_engines_says_what_is_available_and_what_a_guard_would_use[Kernels-kernels-KVGUARD_ENGINE=Kernels]":
+        "kept: the automatic choice and a bad name",
+    "test_cli.py::test_engines_says_what_is_available_and_what_a_guard_would_use[mode-mode-KVGUARD_ENGINE=mode]":
+        "kept: the automatic choice and a bad name",
+    "test_cli.py::test_action_spelling_is_case_insensitive[WARN-0-batch['x'] was modified in place by aten.add_.Tensor]":
+        "kept: Raise; test_importhook's test_action_spellings",
+    "test_cli.py::test_a_broken_next_sitecustomize_fails_as_without_kvguard": "kept: test_run_chains_to_the_next_sitecustomize",
+    "test_cli.py::test_install_pth_from_a_checkout_without_the_integration_is_quiet": "a variant of a checkout",
+    "test_cli.py::test_run_from_a_checkout_without_the_integration_is_quiet": "a variant of a checkout",
+    "test_cli.py::test_report_through_head": "kept: test_report_into_a_closed_pipe_is_quiet",
+    "test_cli.py::test_a_broken_installed_integration_is_one_line_an_absent_one_none": "a variant of start-up",
+    "test_settings.py::test_a_bad_variable_is_one_not_activated_line_and_the_job_runs[KVGUARD_FINGERPRINT-maybe]":
+        "kept: KVGUARD_ENGINE",
+    "test_settings.py::test_a_bad_variable_is_one_not_activated_line_and_the_job_runs[KVGUARD_LEVEL-fast]":
+        "kept: KVGUARD_ENGINE",
+    "test_settings.py::test_a_bad_variable_is_one_not_activated_line_and_the_job_runs[KVGUARD_MAX_EVENTS-many]":
+        "kept: KVGUARD_ENGINE",
+    "test_settings.py::test_a_target_keeps_the_settings_it_started_with": "a variant of settings",
+    "test_settings.py::test_header_records_the_settings": "kept: test_env_settings_apply_to_targets_and_to_guards_in_code_alike",
+    "test_settings.py::test_pytest_plugin_guards_take_the_settings": "kept: test_env_settings_apply_to_targets_and_to_guards_in_code_alike",
+    "test_startup.py::test_a_checkout_without_a_pth_is_silent_and_kvguard_run_is_the_fix": "a variant of a checkout",
+    "test_startup.py::test_hook_failure_never_breaks_the_import": "a variant of start-up",
+    "test_startup.py::test_method_target": "kept: test_diagnostics' static and class method targets",
+    "test_startup.py::test_report_dir_and_report_command": "kept: test_autograd_activation's report files",
+    "test_startup.py::test_run_command_works_from_a_source_checkout": "a variant of a checkout",
+    "test_startup.py::test_zero_is_off": "kept: test_diagnostics' every way of being off",
+    "test_startup.py::test_bad_values_give_one_line_and_the_job_runs": "kept: test_settings' bad variable",
+    "test_diagnostics.py::test_warn_prints_the_panel_and_no_default_warning_display[flags1]": "kept: flags0",
+    "test_diagnostics.py::test_warn_prints_the_panel_and_no_default_warning_display[flags2]": "kept: flags0",
+    "test_diagnostics.py::test_a_guard_warning_keeps_its_default_display": "a variant of warn",
+    "test_diagnostics.py::test_an_unusable_report_dir_is_one_line_at_start_and_the_job_runs_on":
+        "kept: test_a_report_dir_that_breaks_mid_job_never_replaces_the_mutation_error",
+    "test_diagnostics.py::test_light_level_from_the_environment": "kept: test_env_settings_apply_to_targets_and_to_guards_in_code_alike",
+    "test_diagnostics.py::test_the_warning_still_reaches_catch_warnings_and_logging": "a variant of warn",
+    "test_diagnostics.py::test_this_install_ships_the_pth_file": "kept: every start-up test (they need it)",
+    "test_diagnostics.py::test_warn_under_w_error_is_no_exception_and_one_panel": "a variant of warn",
+    "test_diagnostics.py::test_warn_under_w_error_runs_the_job_to_the_end": "a variant of warn",
+    "test_diagnostics.py::test_in_pytest_the_warning_is_in_the_warnings_summary_and_error_never_breaks_the_op":
+        "kept: test_pytest_plugin (in-process pytest runs)",
+    "test_reports.py::test_explicit_guards_decorators_and_pytest_write_report_files": "kept: test_fixed_job_leaves_a_header_and_summary_that_prove_it_clean",
+    "test_reports.py::test_two_launches_into_one_directory_stay_two_runs": "a variant of report files",
+    "test_reports.py::test_long_job_prints_one_panel_per_site_and_a_short_bounded_report": "kept: test_file_cap_keeps_counts_exact",
+    "test_reports.py::test_every_record_of_a_process_carries_one_run_id_and_rank": "a variant of report files",
+    "test_reports.py::test_env_allow_counts_allowed_writes_in_the_summary_and_report": "kept: test_allow (in-process)",
+    "test_importhook.py::test_keys_and_ignore_from_the_environment": "a variant of targets",
+    "test_importhook.py::test_a_main_script_target_says_why_and_what_to_do": "a variant of targets",
+    "test_importhook.py::test_a_main_target_defined_before_late_activation_is_guarded": "a variant of targets",
+    "test_importhook.py::test_an_argument_that_holds_no_tensor_is_said_at_the_first_call": "a variant of targets",
+    "test_importhook.py::test_some_calls_unguardable_and_others_guarded_are_both_said": "a variant of targets",
+    "test_async_targets.py::test_an_uncaught_error_from_an_env_target_ends_at_the_writing_line":
+        "kept: test_never_crash's uncaught error traceback",
+    "test_async_targets.py::test_an_env_target_coroutine_interleaved_with_itself": "kept: test_the_repro_as_env_targets",
+    "test_presets.py::test_openrlhf_intended_penalty_writes_are_allowed_as_the_preset_says": "a preset's scenario",
+    "test_presets.py::test_functions_missing_in_older_versions_are_one_line_each_at_exit": "a variant of a preset",
+    # real-world scenarios of the weights and autograd switches; kept: the clean loop, the stray
+    # write, a process without an optimizer, and the autograd switch's raise and clean run
+    "test_weights_activation.py::test_a_named_weight_sync_is_intended_and_a_write_between_syncs_is_not": "a scenario",
+    "test_weights_activation.py::test_a_realistic_fine_tuning_loop_is_clean_under_autograd_and_weights": "a scenario",
+    "test_weights_activation.py::test_an_optimizers_weights_are_let_go_when_it_is_freed_and_a_loaded_copy_is_watched":
+        "a scenario",
+    "test_weights_activation.py::test_converting_the_model_at_the_end_of_training_is_not_a_finding": "a scenario",
+    "test_weights_activation.py::test_prime_rl_2482_aliased_buffer_over_reloaded_weights_no_optimizer": "a scenario",
+    "test_weights_activation.py::test_the_docs_example_stops_at_the_stray_write": "a scenario",
+    "test_weights_activation.py::test_verl_6688_lora_views_of_a_reused_ipc_buffer_no_optimizer": "a scenario",
+    "test_weights_activation.py::test_weights_and_autograd_together": "a scenario",
+    "test_autograd_activation.py::test_torch_func_runs_under_the_env_var": "a scenario",
+    "test_autograd_activation.py::test_record_lets_backward_fail_as_torch_does_with_the_write_named": "a variant of record",
+    "test_autograd_activation.py::test_report_files_and_kvguard_report": "kept: test_reports",
+}
+
+
+def _left_out(item: pytest.Item) -> bool:
+    rel = item.nodeid.partition("tests/")[2]
+    return any(rel == key or rel.partition("[")[0] == key or rel.partition("::")[0] == key for key in QUICK_LEAVES_OUT)
+
+
 # The fixtures that take an engine as their parameter (`engine` here, and modules' own).
 ENGINE_PARAMS = ("engine", "each_engine")
 
@@ -72,6 +182,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """One engine per test in the quick run, the others in the slow tier (see the docstring)."""
     groups: dict[str, list[tuple[pytest.Item, str]]] = {}
     for item in items:
+        if _left_out(item):
+            item.add_marker(pytest.mark.slow)
+            continue
         name = _engine_of(item)
         if name is None or item.get_closest_marker("every_engine") is not None:
             continue
