@@ -509,3 +509,17 @@ def test_checkpoint_backward_twice_and_double_backward_are_bitwise_the_same(how:
     with kvguard.guard_autograd(action="raise") as g:
         guarded = grads()
     assert g.report.ok and torch.equal(plain, guarded)
+
+
+@per_engine
+def test_a_metadata_op_inside_a_checkpointed_layer_is_reported(engine: str) -> None:
+    def f(t: torch.Tensor) -> torch.Tensor:
+        p = torch.softmax(t @ W, -1)  # saves p
+        out = p @ V
+        p.t_()  # the metadata write
+        return out.sum()
+
+    with kvguard.guard_autograd(action="record") as g:
+        checkpoint(f, torch.randn(8, 8, requires_grad=True), use_reentrant=False).backward()
+    assert [(e.op, e.kind, e.lineno) for e in g.report.events] == [
+        ("aten.t_.default", "metadata", _line("p.t_()  # the metadata write"))]
