@@ -318,6 +318,20 @@ def test_allow_patterns_with_a_star_name_saved_tensors_by_node() -> None:
     del z, d
 
 
+def test_a_star_outside_quotes_and_brackets_is_a_wildcard_and_nothing_else_changes() -> None:
+    from kvguard._paths import matcher
+
+    def matches(pattern: str, path: str) -> bool:
+        return matcher(pattern).match(path) is not None
+
+    assert matches("<saved by SinBackward0: *", "<saved by SinBackward0: self>")
+    assert not matches("<saved by SinBackward0: *", "<saved by CosBackward0: self>")
+    assert matches("<saved by *Backward0: result>", "<saved by ExpBackward0: result>")
+    assert not matches("<saved by *Backward0: result>", "<saved by ExpBackward0: self>")
+    assert matches("d['a*b'][*]", "d['a*b'][3]") and not matches("d['a*b'][*]", "d['axb'][3]")  # quoted: literal
+    assert matches("rollout['kl'][*]", "rollout['kl'][0][1]") and not matches("rollout['kl'][*]", "rollout['kl2'][0]")
+
+
 # -- 4. the exit count is of graphs ------------------------------------------------------
 
 def test_graphs_are_counted_as_graphs_not_as_stretches_between_backwards() -> None:
