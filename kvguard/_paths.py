@@ -1,6 +1,7 @@
 """Paths as reports print them (`rollout_data['kl'][3]`) and patterns over them. Stdlib only.
 
-A pattern is a path with `[*]` for any list index; it covers everything below it. One
+A pattern is a path with `[*]` for any list index (and `*` elsewhere, outside quotes, for
+any run of characters); it covers everything below it. One
 quote-aware scanner reads paths and patterns for every job here: splitting a list of
 patterns, checking that brackets and quotes close, collapsing indices to `[*]`, so a
 bracket or comma inside a quoted key (`d['a[0],b']`) means the same to all of them.
