@@ -7,8 +7,8 @@ subprocess, whose capture must not hide what kvguard says).
 from __future__ import annotations
 
 import gc
-import sys
 import textwrap
+import warnings
 import weakref
 from pathlib import Path
 
@@ -461,3 +461,29 @@ def test_device_comparisons_are_combined_there_and_read_once() -> None:
     later.add([c], [d[3]], [d[0]])
     assert later.collect() == [b, c]  # type: ignore[comparison-overlap]
     assert later.collect() == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("level", ["full", "light"])
+def test_on_a_gpu_the_comparisons_add_no_synchronisation_and_still_find(level: str) -> None:
+    """Steps and batch norm's forwards compare digests on the device (no host sync, checked with
+    sync debug "error"); what they found is read and reported at the boundary."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    x = torch.randn(8, 16, device="cuda")
+    with kvguard.guard_module(model, optimizer=opt, action="record", level=level) as g:
+        for i in range(5):
+            with warnings.catch_warnings():  # "a prototype feature": a warning, under filterwarnings=error
+                warnings.simplefilter("ignore")
+                torch.cuda.set_sync_debug_mode("error" if i >= 2 else "default")
+            try:
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+                if i == 3 and level == "light":
+                    with torch.no_grad():
+                        model[2].bias.add_(1.0)  # level light sees no op: a change the next step compares
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    assert [e.path for e in g.report.events] == (["model.2.bias"] if level == "light" else [])
