@@ -244,7 +244,7 @@ def parse_targets(value: str, source: str = env_source("KVGUARD_TARGETS")) -> tu
         if item.strip().lower() in _WORDS:
             continue
         if ":" not in item:
-            expanded: tuple[Target, ...] = _presets.expand(item, source)
+            expanded: tuple[Target, ...] = _presets.expand(item, source, _WORDS)
         else:
             expanded = (parse_target(item, source),)
         for target in expanded:

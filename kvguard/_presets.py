@@ -50,7 +50,7 @@ from typing import Any, Iterable, Optional
 
 from kvguard._errors import ConfigError
 from kvguard._targets import Target, parse_target
-from kvguard._text import plural
+from kvguard._text import did_you_mean, plural
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,14 +200,19 @@ def preset_for(name: str) -> Optional[Preset]:
     return PRESETS.get(_OTHER_SPELLINGS.get(key, key))
 
 
-def expand(name: str, source: str) -> tuple[PresetTarget, ...]:
-    """The targets of preset `name`, older locations included; a `ConfigError` naming `source` if unknown."""
+def expand(name: str, source: str, words: tuple[str, ...] = ()) -> tuple[PresetTarget, ...]:
+    """The targets of preset `name`, older locations included; a `ConfigError` naming `source` if unknown.
+
+    `words` are the other names a target without a colon may be (`autograd`, `weights`, `data`):
+    the error suggests the closest of them and the presets, the word a typo most likely meant.
+    """
     preset = preset_for(name)
     if preset is None:
+        also = f" or one of {', '.join(words)}" if words else ""
         raise ConfigError(
-            f"invalid target {name.strip()!r} in {source}; without a colon it names a preset, and no preset "
-            f"is called that (known presets: {', '.join(PRESETS)}); a function is module:qualname(argname), "
-            "e.g. myrl.loss:compute_advantages_and_returns(rollout_data)")
+            f"invalid target {name.strip()!r} in {source}; without a colon it names a preset{also}, and none "
+            f"is called that{did_you_mean(name.strip(), (*PRESETS, *words))} (known presets: {', '.join(PRESETS)}); "
+            "a function is module:qualname(argname), e.g. myrl.loss:compute_advantages_and_returns(rollout_data)")
     out = []
     for function in preset.functions:
         for spelled in (function.target, *(where for where, _ in function.also)):
@@ -287,4 +292,5 @@ def describe(names: Iterable[str] = (), width: int = 100) -> str:
 
 
 def _unknown(name: str) -> Preset:
-    raise ConfigError(f"no preset is called {name.strip()!r}; known presets: {', '.join(PRESETS)}")
+    raise ConfigError(f"no preset is called {name.strip()!r}{did_you_mean(name.strip(), PRESETS)}; "
+                      f"known presets: {', '.join(PRESETS)}")

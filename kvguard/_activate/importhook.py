@@ -21,12 +21,12 @@ from kvguard._guard.guard import Guard
 from kvguard._guard.target import guardable
 from kvguard._presets import missing_reason
 from kvguard._protect import tree as _tree
-from kvguard._report.diagnostics import WALKED, first_hints
+from kvguard._report.diagnostics import WALKED, first_hints, not_guarded
 from kvguard._report.files import target_tallies
 from kvguard._report.process import PROCESS
 from kvguard._state import STATE
 from kvguard._targets import Target
-from kvguard._text import say
+from kvguard._text import did_you_mean, say
 
 _MARK = "__kvguard_target__"
 
@@ -47,6 +47,7 @@ def _hook(target: Target, *options: Any) -> Callable[[Any], None]:
             if target.module == "__main__" and isinstance(exc, AttributeError):
                 say(main_script_line(target))
             elif missing_reason(target, module) is None:  # a preset's function missing here: said at exit
+                not_guarded[str(target)] = str(exc)  # said again at exit, where a clean-looking summary ends
                 say(f"kvguard: cannot guard {target}: {exc}")
     return on_import
 
@@ -75,12 +76,12 @@ def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: An
     the function it wraps and compiles the original, guard and all skipped. Calls are
     numbered from 1, selected by `calls` or not.
     """
-    owner_path, _, attr = target.qualname.rpartition(".")
-    owner = module
-    for part in filter(None, owner_path.split(".")):
-        owner = getattr(owner, part)
-    if not hasattr(owner, attr):
-        raise AttributeError(f"{target.module} has no attribute {target.qualname!r}")
+    attr = target.qualname.rpartition(".")[2]
+    owner = found = module
+    for part in target.qualname.split("."):
+        if not hasattr(found, part):  # a typo, most likely: the closest name there
+            raise AttributeError(f"{target.module} has no attribute {target.qualname!r}{did_you_mean(part, dir(found))}")
+        owner, found = found, getattr(found, part)
     original = inspect.getattr_static(owner, attr)
     if getattr(getattr(owner, attr), _MARK, None) is not None:
         return  # already guarded (the hook ran twice)

@@ -30,7 +30,7 @@ from kvguard._errors import MutationError
 from kvguard._guard.guard import Guard
 from kvguard._protect import frames as _frames
 from kvguard._report import files as _reportfile
-from kvguard._text import say
+from kvguard._text import did_you_mean, say
 
 F = TypeVar("F", bound=Callable[..., Any])
 MISSING: Any = object()  # the argument was not passed (left at its default), or the call cannot bind
@@ -45,7 +45,8 @@ def parameters(fn: Callable[..., Any], argname: str) -> inspect.Signature:
     signature = inspect.signature(fn)
     if argname not in signature.parameters:
         raise TypeError(f"{getattr(fn, '__qualname__', fn)}() has no parameter {argname!r}; "
-                        f"its parameters are {', '.join(signature.parameters) or 'none'}")
+                        f"its parameters are {', '.join(signature.parameters) or 'none'}"
+                        f"{did_you_mean(argname, signature.parameters)}")
     return signature
 
 

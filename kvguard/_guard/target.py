@@ -27,6 +27,8 @@ def check_target(obj: Any) -> None:
         spelled = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
         if isinstance(obj, type):
             spelled = f"the class {spelled} itself, not an instance"
+        elif _is_module(obj):
+            spelled += "; for a model's parameters and buffers use kvguard.guard_module(model)"
         elif _tree._instance_dict(obj) is not None:
             spelled += ", whose attributes kvguard does not walk"
         raise TypeError(
@@ -34,6 +36,12 @@ def check_target(obj: Any) -> None:
             f"dataclass instances, SimpleNamespaces or torch pytree nodes (nested at any depth), or a tensor; "
             f"got {spelled}"
         )
+
+
+def _is_module(obj: Any) -> bool:
+    """Whether `obj` is a `torch.nn.Module`: its weights have their own guard, `guard_module`."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.nn.Module)
 
 
 _NAMING_CALLS = ("guard", "Guard", "protect", "guard_module")

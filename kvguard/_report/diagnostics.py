@@ -22,6 +22,7 @@ from kvguard._text import plural
 
 WALKED = "mappings, sequences, dataclasses, SimpleNamespaces and pytree nodes"  # what `kvguard._protect.tree` walks
 first_hints: dict[str, str] = {}  # target -> the hint said at its first unguardable call, for the exit line
+not_guarded: dict[str, str] = {}  # target -> why its module's hook could not patch it (said at start-up too)
 
 
 def diagnostics(state: State, process: ProcessReport, in_files: bool) -> list[str]:
@@ -44,7 +45,9 @@ def diagnostics(state: State, process: ProcessReport, in_files: bool) -> list[st
             elif target.module == "__main__":  # said at start-up, with the fix; never counted as clean
                 lines.append(f"kvguard: target {target} was not guarded: a function of the main script "
                              "(see the line at start-up)")
-            continue  # imported but not patchable: said when it was imported
+            elif str(target) in not_guarded:  # imported but not patchable: said at import, and again last
+                lines.append(f"kvguard: target {target} was not guarded: {not_guarded[str(target)]}")
+            continue
         assert stats is not None
         skipped = sum(stats.unguardable.values())
         if stats.calls == 0 and stats.unguarded_calls and not skipped:

@@ -1,0 +1,104 @@
+"""A newcomer's mistakes, each answered where they look: the last lines, the error, the hint.
+
+Messages a user reads are checked word by word. Env activation runs in a real subprocess,
+activated by `KVGUARD*` variables through the `kvguard.pth` this environment's install ships.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import kvguard
+from kvguard import _config
+from kvguard._errors import ConfigError
+from kvguard._presets import PRESETS
+
+PRESET_NAMES = ", ".join(PRESETS)
+
+
+def run_job(tmp_path: Path, files: dict[str, str], **env: str) -> subprocess.CompletedProcess[str]:
+    """`python job.py` in `tmp_path`, with `files` written there and only `env`'s KVGUARD settings."""
+    for name, text in files.items():
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("KVGUARD", "PYTHON")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run([sys.executable, "job.py"], env={**base, "PYTHONPATH": str(tmp_path), **env},
+                          cwd=tmp_path, capture_output=True, text=True, timeout=180)
+
+
+# 1. A target that guarded nothing: its last lines say which and why, with the name meant.
+
+def test_a_misspelt_function_or_argument_is_named_in_the_last_lines(tmp_path: Path) -> None:
+    loss = """
+        def compute_kl_and_advantages(args, rollout_data):
+            return rollout_data
+
+        class Trainer:
+            def step(self, rollout_data):
+                return rollout_data
+    """
+    job = "import myloss\nmyloss.compute_kl_and_advantages(None, {})\nprint('job done')\n"
+    targets = ("myloss:compute_kl_and_advantage(rollout_data),myloss:compute_kl_and_advantages(rolout_data),"
+               "myloss:Trainr.step(rollout_data),myloss:nothing_like_it(rollout_data)")
+    result = run_job(tmp_path, {"myloss.py": loss, "job.py": job}, KVGUARD="warn", KVGUARD_TARGETS=targets)
+    assert result.returncode == 0 and result.stdout == "job done\n", result.stderr
+    why = ["myloss has no attribute 'compute_kl_and_advantage'; did you mean compute_kl_and_advantages?",
+           "compute_kl_and_advantages() has no parameter 'rolout_data'; its parameters are args, rollout_data; "
+           "did you mean rollout_data?",
+           "myloss has no attribute 'Trainr.step'; did you mean Trainer?",
+           "myloss has no attribute 'nothing_like_it'"]
+    spelled = targets.split(",")
+    assert result.stderr.splitlines() == [
+        *(f"kvguard: cannot guard {target}: {reason}" for target, reason in zip(spelled, why)),  # at import
+        "kvguard: 0 guarded calls, no in-place writes",
+        *(f"kvguard: target {target} was not guarded: {reason}" for target, reason in zip(spelled, why)),
+    ]
+
+
+def test_guarded_names_the_parameter_meant() -> None:
+    def step(args: object, rollout_data: object) -> None:
+        pass
+
+    with pytest.raises(TypeError) as caught:
+        kvguard.guarded("rolout_data")(step)
+    assert str(caught.value).endswith("step() has no parameter 'rolout_data'; its parameters are args, "
+                                      "rollout_data; did you mean rollout_data?")
+
+
+# 2. A near-miss word in KVGUARD_TARGETS: the closest preset or special target.
+
+@pytest.mark.parametrize(("typed", "meant"), [("autograde", "autograd"), ("weight", "weights"),
+                                              ("Slim", "slime"), ("openrlfh", "openrlhf")])
+def test_a_near_miss_word_suggests_the_closest_preset_or_special_target(typed: str, meant: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        _config.from_env({"KVGUARD": "raise", "KVGUARD_TARGETS": f"myrl.loss:f(rd),{typed}"})
+    assert str(caught.value) == (
+        f"invalid target {typed!r} in the KVGUARD_TARGETS environment variable; without a colon it names a preset "
+        f"or one of autograd, weights, data, and none is called that; did you mean {meant}? (known presets: "
+        f"{PRESET_NAMES}); a function is module:qualname(argname), "
+        "e.g. myrl.loss:compute_advantages_and_returns(rollout_data)")
+
+
+def test_a_word_close_to_nothing_suggests_nothing() -> None:
+    with pytest.raises(ConfigError) as caught:
+        _config.parse_targets("gradients")
+    assert "did you mean" not in str(caught.value) and f"(known presets: {PRESET_NAMES})" in str(caught.value)
+
+
+# 3. kvguard.guard(model): the guard for a model's weights is guard_module.
+
+def test_guarding_a_module_points_to_guard_module() -> None:
+    import torch
+
+    with pytest.raises(TypeError) as caught:
+        kvguard.guard(torch.nn.Linear(2, 2))
+    assert str(caught.value) == (
+        "kvguard.guard() protects tensors held in dicts (and any Mapping), lists, tuples, namedtuples, "
+        "dataclass instances, SimpleNamespaces or torch pytree nodes (nested at any depth), or a tensor; "
+        "got torch.nn.modules.linear.Linear; for a model's parameters and buffers use kvguard.guard_module(model)")
