@@ -46,8 +46,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "any_engine: in a per-engine module, run once under the automatic choice")
     config.addinivalue_line("markers", "every_engine: its outcome differs between engines: the quick run "
                             "(-m 'not slow') runs it under every engine, not one")
-    config.addinivalue_line("markers", "slow: a test of many processes or a whole tool run (10-30 s of CPU each); "
-                            "the README's test command leaves them out (-m 'not slow'), CI runs them too")
+    config.addinivalue_line("markers", "slow: left out of the README's test command (-m 'not slow'), run by CI "
+                            "(-m slow): many processes or a whole tool run, the other engines' runs of a "
+                            "per-engine test, start-up variants (QUICK_LEAVES_OUT)")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
