@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="ray is in the test extra (pip install ray)")
+ray = pytest.importorskip("ray", reason="ray is in the ci extra (pip install -e .[ci])")
 
 import kvguard  # noqa: E402
 

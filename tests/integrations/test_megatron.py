@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("megatron.core", reason="megatron-core is in the test extra")
+pytest.importorskip("megatron.core", reason="megatron-core is in the ci extra (pip install -e .[ci])")
 
 SCRIPT = textwrap.dedent("""
     import os, sys

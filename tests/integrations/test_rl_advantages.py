@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("megatron.core", reason="megatron-core is in the test extra")
+pytest.importorskip("megatron.core", reason="megatron-core is in the ci extra (pip install -e .[ci])")
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "rl_advantages.py"
