@@ -1147,3 +1147,9 @@ def shares_version_counter(a: torch.Tensor, b: torch.Tensor) -> bool:
             torch._C._autograd._unsafe_set_version_counter((a,), (before_a,))
     except Exception:  # noqa: BLE001 - a subclass without a counter
         return False
+
+
+def argument_count(func: Any) -> int:
+    """How many arguments the op's schema takes (`aten.relu_`: 1, `self` only); 0 when it has no schema."""
+    schema = getattr(func, "_schema", None)
+    return len(schema.arguments) if schema is not None else 0

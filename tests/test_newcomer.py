@@ -11,8 +11,10 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
+import torch
 
 import kvguard
 from kvguard import _config
@@ -94,11 +96,55 @@ def test_a_word_close_to_nothing_suggests_nothing() -> None:
 # 3. kvguard.guard(model): the guard for a model's weights is guard_module.
 
 def test_guarding_a_module_points_to_guard_module() -> None:
-    import torch
-
     with pytest.raises(TypeError) as caught:
         kvguard.guard(torch.nn.Linear(2, 2))
     assert str(caught.value) == (
         "kvguard.guard() protects tensors held in dicts (and any Mapping), lists, tuples, namedtuples, "
         "dataclass instances, SimpleNamespaces or torch pytree nodes (nested at any depth), or a tensor; "
         "got torch.nn.modules.linear.Linear; for a model's parameters and buffers use kvguard.guard_module(model)")
+
+
+# 4. The hint: per guard kind, per op, per line.
+
+def _stopped(guard: object, write: Callable[[], object]) -> str:
+    """The `hint` line of the MutationError `write` raises under `guard` (action raise)."""
+    with pytest.raises(kvguard.MutationError) as caught:
+        with guard:  # type: ignore[attr-defined]
+            write()
+    (line,) = [line for line in str(caught.value).splitlines() if line.startswith("  hint ")]
+    return line.removeprefix("  hint     ")
+
+
+def _scale(rd: dict[str, Any]) -> None:
+    k = rd["kl"]
+    k *= -0.5  # the bug: k is rd["kl"]
+
+
+NEW = "write to a new tensor"
+
+
+@pytest.mark.parametrize(("write", "start"), [
+    (_scale, f"{NEW} (k = k * -0.5)"),
+    (lambda rd: rd["kl"].masked_fill_(rd["kl"] > 0, 0.0), f"{NEW} (k = k.masked_fill(...))"),
+    (lambda rd: rd["kl"].sub_(1), f"{NEW} (k = k.sub(...))"),
+    (lambda rd: torch.nn.functional.relu_(rd["kl"]), f"{NEW} (k = k.relu())"),
+    (lambda rd: torch.add(rd["kl"], 1, out=rd["kl"]), f"{NEW} (k = torch.add(...) without out=)"),
+    (lambda rd: rd["kl"].zero_(), NEW),
+], ids=["augmented", "masked_fill_", "sub_", "relu_", "out", "zero_"])
+def test_the_hint_names_the_out_of_place_form_of_the_write(write: Callable[[Any], object], start: str) -> None:
+    rd = {"kl": torch.ones(4)}
+    hint = _stopped(kvguard.guard(rd, action="raise", name="rd"), lambda: write(rd))
+    assert hint == f"{start} or clone first (k = k.clone())"
+
+
+def test_the_hint_for_weights_is_the_optimizer_in_its_step_and_allow_outside() -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(2)).sum().backward()
+    assert _stopped(kvguard.guard_module(model, action="raise"), opt.step) == (
+        "this write is an optimizer's step(): pass the optimizer, kvguard.guard_module(model, optimizer=opt), "
+        "and its steps are the writes meant")
+    assert _stopped(kvguard.guard_module(model, optimizer=opt, action="raise"),
+                    lambda: model.weight.data.mul_(2)) == (
+        "the weights change outside an optimizer's step() here; if that is meant (a weight sync, an EMA, "
+        "a re-initialisation), say so with kvguard.allow('why') around it")

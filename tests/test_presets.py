@@ -290,7 +290,7 @@ def test_slime_preset_alone_catches_the_v031_kl_bug_under_raise() -> None:
     ]
     assert tail[5:] == [
         "  action   raised before the write; the data is intact",
-        "  hint     write to a new tensor (k = k * c) or clone first (k = k.clone())",
+        "  hint     write to a new tensor (k = k * kl_coef) or clone first (k = k.clone())",
         "kvguard: slime.backends.megatron_utils.loss:compute_advantages_and_returns(rollout_data): 1 guarded call, "
         "10 tensors protected, 1 write at 1 site",
         f"  loss.py:{bug} aten.mul_.Tensor: 1 write blocked to rollout_data['kl'][*] in 1 call "

@@ -8,6 +8,8 @@ leaves the data intact.
 
 from __future__ import annotations
 
+import ast
+import sys
 import threading
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -19,6 +21,7 @@ from kvguard._errors import MutationError
 from kvguard._protect import frames as _frames
 from kvguard._protect.entries import Change, Entry
 from kvguard._protect.protected import ProtectedSet
+from kvguard._protect.weights import ModuleSet
 from kvguard._report.events import MutationEvent
 
 FREED_DIFF = "values not compared (the tensor was freed before they could be read)"
@@ -32,6 +35,9 @@ DRIFT_DIFF = ("values changed before this line's write with no dispatched write:
 META_VALUES = "(a meta tensor holds no data)"
 ALIAS_DIFF = ("a write naming {named} element{s} changes {changed}: this tensor's elements share memory "
               "(a dimension of stride 0, from expand), so a write to one changes every element sharing it")
+CAPTURE_VALUES = "(not read: a CUDA graph is being captured on this stream)"
+CAPTURE_DIFF = ("values not compared: the write was recorded into a CUDA graph being captured, and runs when "
+                "the graph replays (a replay's change is found at the next boundary check)")
 META_DIFF = "values not compared: a meta tensor holds no data (the write covers some of its elements)"
 _COPY = torch.ops.aten.copy_.default
 # What a write's report compares against: the values it could change, copied just before
@@ -123,9 +129,11 @@ class WriteJudge:
             return None
         protected.settle()  # the report names every path to the tensor, as of now
         site = _frames.user_site()
+        capturing = _torch.capturing()  # no copy, digest or value read: each would break the user's capture
         counter_only = protected.counter_only  # saved tensors whose version counter alone it bumps
         aliased = _aliased(protected, hit, written) if facts.kind == "write" else {}
-        for entry in protected.drifted(hit):  # changed since the last look, by nothing we saw:
+        drifted = protected.drifted(hit) if not capturing else []
+        for entry in drifted:  # changed since the last look, by nothing we saw:
             self.on_event(unobserved_event(entry, protected.tensor_of(entry), site, DRIFT_DIFF,
                                            before="(a digest)"), True)  # too late to stop: never raised
         if self.block:
@@ -138,7 +146,7 @@ class WriteJudge:
         # A copy of what this write can change in each entry, taken just before it and
         # dropped once the event is built: memory in proportion to the write, held briefly.
         copies: dict[int, _Copy] = {}
-        if facts.kind == "write":
+        if facts.kind == "write" and not capturing:
             windows = _torch.write_windows(written)
             for entry in (e for e in hit if id(e) not in counter_only):
                 tensor = protected.tensor_of(entry)
@@ -150,8 +158,11 @@ class WriteJudge:
         def after(failed: bool = False) -> None:
             """Report the write; `failed`: the op raised, so report only what it changed before raising."""
             landed = hit if not failed else protected.drifted(hit)
-            # Reported here, not again by the next boundary check; c10d writes land at `wait()`.
-            protected.explain(landed, settled=getattr(func, "namespace", "") != "c10d")
+            # Reported here, not again by the next boundary check; c10d writes land at `wait()`. A write
+            # recorded into a CUDA graph lands at each replay: the boundary check finds that, from the digest
+            # taken before.
+            if not capturing:
+                protected.explain(landed, settled=getattr(func, "namespace", "") != "c10d")
             for entry in landed:
                 if facts.kind != "write":
                     protected.relayout(entry)
@@ -218,7 +229,10 @@ class WriteJudge:
         share memory (kind "alias")."""
         tensor = self.protected.tensor_of(entry)
         described = _describe(tensor)
-        if blocked:
+        if _torch.capturing():
+            before, after = CAPTURE_VALUES, None if blocked else CAPTURE_VALUES
+            diff = "not applied: raised before the write, the data is intact" if blocked else CAPTURE_DIFF
+        elif blocked:
             before = META_VALUES if _is_meta(tensor) else _values(tensor)
             after = None
             diff = "not applied: raised before the write, the data is intact"
@@ -253,11 +267,66 @@ class WriteJudge:
             filename=site.filename, lineno=site.lineno, code=site.code, function=site.function,
             placed_at=entry.placed_at, tensor=described, before=before, after=after, diff=diff,
             aliases=tuple(entry.aliases), detached=entry.detached,
+            hint=hint(func, site.code, isinstance(self.protected, ModuleSet)) if blocked else "",
         )
         self.protected.note(entry, f"{event.op} at {event.site} ({event.code})"
                             + (", its version counter only" if kind == "version" else "")
                             + (", stopped before it ran" if blocked else ""))
         return event
+
+
+OPTIMIZER_HINT = ("this write is an optimizer's step(): pass the optimizer, kvguard.guard_module(model, "
+                  "optimizer=opt), and its steps are the writes meant")
+GENERAL_HINT = "write to a new tensor or clone first (k = k.clone())"
+WEIGHTS_HINT = ("the weights change outside an optimizer's step() here; if that is meant (a weight sync, an EMA, "
+                "a re-initialisation), say so with kvguard.allow('why') around it")
+
+
+def hint(func: Any, code: str = "", weights: bool = False) -> str:
+    """The `hint` line of a stopped write: the fix for this guard's kind, this op and this line.
+
+    A model's weights are written by their optimizer's step (say which with `optimizer=`)
+    or on purpose (`kvguard.allow`). Other data is written to a new tensor: the user's own
+    `k *= c` rewritten as `k = k * c`, else the op's out-of-place twin when the schema's
+    name has one (`masked_fill_` -> `masked_fill`), derived rather than listed.
+    """
+    if weights:
+        return OPTIMIZER_HINT if _in_optimizer_step() else WEIGHTS_HINT
+    rewritten = _out_of_place(code)
+    if rewritten is not None:
+        return f"write to a new tensor ({rewritten[1]}) or clone first ({rewritten[0]} = {rewritten[0]}.clone())"
+    name, _, overload = str(func).removeprefix("aten.").partition(".")
+    twin = name[:-1] if name.endswith("_") and not name.endswith("__") else ""
+    if overload == "out" or overload.endswith("_out"):  # `torch.add(a, b, out=k)`: drop out=
+        return f"write to a new tensor (k = torch.{name}(...) without out=) or clone first (k = k.clone())"
+    if twin and not twin.startswith("_") and callable(getattr(torch.Tensor, twin, None)):
+        given = "()" if _torch.argument_count(func) == 1 else "(...)"  # `relu_(self)`: nothing to pass
+        return f"write to a new tensor (k = k.{twin}{given}) or clone first (k = k.clone())"
+    return GENERAL_HINT
+
+
+def _out_of_place(code: str) -> Optional[tuple[str, str]]:
+    """(`k`, `k = k * c`) for a line `k *= c` (or `self.k *= c`); None for any other line."""
+    try:
+        (statement,) = ast.parse(code.strip()).body
+    except (SyntaxError, ValueError):
+        return None
+    if not isinstance(statement, ast.AugAssign) or isinstance(statement.target, ast.Subscript):
+        return None  # `k[i] += c` rebound is still a write into k
+    target = statement.target
+    assign = ast.Assign(targets=[target], value=ast.BinOp(target, statement.op, statement.value), lineno=1)
+    return ast.unparse(target), ast.unparse(assign)
+
+
+def _in_optimizer_step() -> bool:
+    """Whether the write runs inside an optimizer's `step()` (a frame `step` of a `torch.optim.Optimizer`)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "step" and isinstance(_frames.frame_names(frame, ("self",)).get("self"),
+                                                         torch.optim.Optimizer):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def _no_repoint(done: bool) -> None:
@@ -279,6 +348,8 @@ def _aliased(protected: ProtectedSet, hit: list[Entry], written: Sequence[torch.
     """The entries whose elements share memory (an `expand`ed tensor) that this write changes
     in more logical elements than it names: (changed, named) by entry id."""
     found: dict[int, tuple[int, int]] = {}
+    if _torch.capturing():  # counting reads values back: it would break the capture
+        return found
     for entry in hit:
         tensor = protected.tensor_of(entry)
         if tensor is not None and _torch.shares_elements(tensor):

@@ -38,6 +38,7 @@ class MutationEvent:
     diff: str
     aliases: tuple[str, ...] = ()  # other paths to the same tensor
     detached: bool = False  # removed from (or replaced in) the guarded object before the write
+    hint: str = ""  # the fix, for a write stopped before it ran (empty: the general one, `HINT`)
 
     @property
     def site(self) -> str:
@@ -125,7 +126,7 @@ def event_details(ev: MutationEvent) -> list[tuple[str, str]]:
         rows.append(("shared", ev.diff))
     if ev.blocked:
         rows += [("values", ev.before), ("action", "raised before the write; the data is intact"),
-                 ("hint", HINT)]
+                 ("hint", ev.hint or HINT)]
     elif ev.kind in ("write", "version", "alias"):
         rows += [("before", ev.before), ("after", ev.after or ""), ("changed", ev.diff)]
     else:
