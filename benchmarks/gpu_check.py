@@ -296,6 +296,27 @@ def graph_capture(name: str) -> None:
     check(f"{name}: a protected write during capture is reported, the capture completes",
           not error and want in lines and replayed, error or f"event lines {lines} (want {want}), replay "
           f"{'right' if replayed else 'WRONG'}")
+    # Under raise: stopped at capture time (the user's capture ends with the error), the data intact,
+    # and the device still captures and replays afterwards.
+    data = {"x": torch.randn(1024, device=DEVICE)}
+    kept = data["x"].clone()
+    stopped = ""
+    try:
+        with engine(name), kvguard.guard(data, name="d", action="raise"):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                data["x"].mul_(2.0)
+    except Exception as exc:  # noqa: BLE001 - the check's subject
+        stopped = type(exc).__name__
+    after = torch.cuda.CUDAGraph()
+    y = torch.zeros(8, device=DEVICE)
+    with torch.cuda.graph(after):
+        y.add_(1)
+    after.replay()
+    torch.cuda.synchronize()
+    check(f"{name}: raise: a protected write during capture is stopped, the device captures again",
+          stopped == "MutationError" and torch.equal(data["x"], kept) and float(y.sum()) == 8.0,
+          f"raised {stopped or 'nothing'}, data {'intact' if torch.equal(data['x'], kept) else 'CHANGED'}")
 
 
 def timing(rounds: int) -> None:
@@ -439,6 +460,9 @@ def main() -> int:
     parser.add_argument("--skip-train", action="store_true", help="only the rollout checks (no subprocesses)")
     parser.add_argument("--models", default="gpt2,llama", help="transformers models to time ('' for none)")
     parser.add_argument("--train-rounds", type=int, default=2, help="timed rounds per step-time row (0: none)")
+    parser.add_argument("--only", default="", help="comma-separated groups to run: build, bug, sync, graphs, "
+                        "timing, train, models (default: all)")
+    parser.add_argument("--engines", default="compiled,kernels,mode", help="engines the per-engine checks use")
     opts = parser.parse_args()
     global DEVICE
     DEVICE = opts.device
@@ -448,23 +472,29 @@ def main() -> int:
     name = f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}" if DEVICE == "cuda" else "CPU"
     print(f"torch {torch.__version__}, {name}, Python {sys.version.split()[0]}, kvguard {kvguard.__version__}",
           flush=True)
-    attempt("the build", the_build)
-    engines = ("compiled", "kernels", "mode")
-    for each in engines:
-        attempt(f"{each}: the bug", lambda: catches_the_bug(each))
-    attempt("fingerprints", stays_on_device)
-    if DEVICE == "cuda":
+    groups = set(filter(None, opts.only.split(","))) or {"build", "bug", "sync", "graphs", "timing", "train",
+                                                          "models"}
+    engines = tuple(filter(None, opts.engines.split(",")))
+    if "build" in groups:
+        attempt("the build", the_build)
+    if "bug" in groups:
+        for each in engines:
+            attempt(f"{each}: the bug", lambda: catches_the_bug(each))
+        attempt("fingerprints", stays_on_device)
+    if DEVICE == "cuda" and "sync" in groups:
         for each in engines:
             attempt(f"{each}: syncs", lambda: no_sync(each))
             attempt(f"{each}: side stream", lambda: side_stream(each))
             attempt(f"{each}: device thread", lambda: device_thread(each))
+    if DEVICE == "cuda" and "graphs" in groups:
         for each in engines:
             attempt(f"{each}: CUDA graphs", lambda: graph_capture(each))
-    attempt("timing", lambda: timing(opts.rounds))
-    if not opts.skip_train:
+    if "timing" in groups:
+        attempt("timing", lambda: timing(opts.rounds))
+    if not opts.skip_train and "train" in groups:
         attempt("training", lambda: training(opts.train_rounds))
-        if opts.models:
-            attempt("real models", lambda: real_models(opts.models.split(","), opts.train_rounds))
+    if not opts.skip_train and opts.models and "models" in groups:
+        attempt("real models", lambda: real_models(opts.models.split(","), opts.train_rounds))
     failed = [n for n, ok, _ in results if not ok]
     print(f"checks: {len(results) - len(failed)} ok, {len(failed)} failed" + "".join(f"\n  FAILED {n}" for n in failed))
     return 1 if failed else 0

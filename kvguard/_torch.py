@@ -570,6 +570,15 @@ def merge_intervals(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
+def capturing() -> bool:
+    """Whether this thread's current CUDA stream is capturing a graph: reading a value now (a
+    copy to the host, `.item()`) would break the user's capture, so a report reads none."""
+    try:
+        return bool(torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+    except Exception:  # noqa: BLE001 - a build without CUDA: never capturing
+        return False
+
+
 MAX_ALIAS_ELEMENTS = 1 << 24  # logical elements an alias count reads at most
 
 
