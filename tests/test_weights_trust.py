@@ -487,3 +487,24 @@ def test_on_a_gpu_the_comparisons_add_no_synchronisation_and_still_find(level: s
             finally:
                 torch.cuda.set_sync_debug_mode("default")
     assert [e.path for e in g.report.events] == (["model.2.bias"] if level == "light" else [])
+
+
+def test_an_optimizer_made_where_a_freed_one_was_keeps_its_weights_watched() -> None:
+    """Each optimizer is known by its own key: one made at a freed one's address (its id) does
+    not lose its weights when the set lets go of what the freed one held."""
+    from kvguard._guard.module import ModuleGuard
+
+    found = []
+    with ModuleGuard([], (), name="weights", action="record") as g:
+        for i in range(20):
+            model = torch.nn.Linear(3, 2)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            g.add_optimizer(opt, [(f"model{i}", model)], [])
+            del opt  # freed at once: what only it held is let go at the next look
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)  # often at the same address
+            g.add_optimizer(opt, [(f"model{i}", model)], [])
+            with torch.no_grad():
+                model.bias.add_(1.0)
+            found.append(len(g.report.events))
+            del opt, model
+    assert found == list(range(1, 21))

@@ -9,6 +9,7 @@ the stack when they happen.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import threading
 import weakref
@@ -50,6 +51,7 @@ class ModuleGuard(Guard):
         self.modules = modules  # (name, module): whose parameters and buffers, under which names
         self.optimizers = optimizers
         self._unwrap: list[Any] = []
+        self._holder_of: dict[int, tuple[Any, int]] = {}  # id(optimizer) -> (weak ref, its holder key)
 
     def _new_protected(self) -> Any:
         from kvguard._protect.weights import ModuleSet
@@ -96,16 +98,24 @@ class ModuleGuard(Guard):
         on, until it is freed (unless something else holds them too)."""
         if self._protected is None:
             return
-        self._protected.add(modules, loose, holder=id(optimizer))
+        # Its own key, never its id: a new optimizer may get a freed one's id before the set lets
+        # go of what the freed one held (it does so at its next look), and would lose it too.
+        key = next(_holder_keys)
+        self._holder_of[id(optimizer)] = (weakref.ref(optimizer), key)
+        self._protected.add(modules, loose, holder=key)
         self._unwrap.append(_wrap_step(optimizer, self))
-        weakref.finalize(optimizer, self._optimizer_freed, id(optimizer))
+        weakref.finalize(optimizer, self._optimizer_freed, id(optimizer), key)
 
     def add_params(self, optimizer: Any, modules: list[tuple[str, Any]], loose: list[tuple[str, Any]]) -> None:
         """Parameters added to a watched optimizer (`add_param_group`): protected for it as its others."""
-        if self._protected is not None:
-            self._protected.add(modules, loose, holder=id(optimizer))
+        held = self._holder_of.get(id(optimizer))
+        if self._protected is not None and held is not None and held[0]() is optimizer:
+            self._protected.add(modules, loose, holder=held[1])
 
-    def _optimizer_freed(self, key: int) -> None:
+    def _optimizer_freed(self, address: int, key: int) -> None:
+        held = self._holder_of.get(address)
+        if held is not None and held[1] == key:
+            del self._holder_of[address]
         if self._protected is not None:
             self._protected.holder_gone(key)
 
@@ -154,6 +164,9 @@ class ModuleGuard(Guard):
     def stepped(self, token: Any) -> None:
         if token is not None and self._protected is not None:
             self._protected.end_step(token)
+
+
+_holder_keys = itertools.count(1)  # what a protected set knows each optimizer by
 
 
 def _watch_calls(protected: Any) -> Any:

@@ -47,7 +47,7 @@ class ModuleSet(ProtectedSet):
 
     def __init__(self, modules: Sequence[tuple[str, torch.nn.Module]], fingerprint: bool = True) -> None:
         # (name, module, holders) of each guarded module, and of each parameter no named module
-        # holds: holders are the optimizers (their ids) it is protected for, None for the
+        # holds: holders are the optimizers (their keys) it is protected for, None for the
         # guard's life. Holders let go wait in `_released` (a finalizer may run on any thread).
         self._roots: list[_Root] = [_Root(n, weakref.ref(m), None) for n, m in modules]
         self._loose: list[_Root] = []
@@ -103,7 +103,7 @@ class ModuleSet(ProtectedSet):
     def add(self, modules: Sequence[tuple[str, torch.nn.Module]], loose: Sequence[tuple[str, torch.Tensor]] = (),
             holder: Any = None) -> None:
         """Protect more modules (and parameters no module holds) from now on, for `holder` (an
-        optimizer's id: until `release(holder)`; None: for the guard's life)."""
+        optimizer's key: until `holder_gone(holder)`; None: for the guard's life)."""
         for name, obj in modules:
             self._hold(self._roots, name, obj, holder)
         for path, tensor in loose:
