@@ -10,8 +10,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -148,3 +149,36 @@ def test_the_hint_for_weights_is_the_optimizer_in_its_step_and_allow_outside() -
                     lambda: model.weight.data.mul_(2)) == (
         "the weights change outside an optimizer's step() here; if that is meant (a weight sync, an EMA, "
         "a re-initialisation), say so with kvguard.allow('why') around it")
+
+
+# 5. An allow= pattern under another name than the guard's matches nothing: said once.
+
+def _allow_said(allow: list[str], target: Optional[str] = None) -> list[str]:
+    """The GuardWarnings of a guard (of env target `target`) around an allowed write and two stopped ones."""
+    from kvguard._errors import GuardWarning
+    from kvguard._guard.guard import Guard
+
+    rd = {"kl": [torch.ones(2)], "adv": torch.ones(2)}
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with pytest.raises(kvguard.MutationError):
+                with Guard(rd, name="rd", action="raise", allow=allow, target=target):
+                    rd["adv"].add_(1)  # allowed: no word
+                    try:
+                        rd["kl"][0].mul_(2)
+                    except kvguard.MutationError:
+                        pass
+                    rd["kl"][0].mul_(2)
+    return [str(w.message) for w in said if w.category is GuardWarning]
+
+
+def test_an_allow_pattern_under_another_name_is_said_once_with_the_path_written() -> None:
+    allow = ["rollout_data['kl'][*]", "rd['adv']", "batch['returns']"]
+    once = [
+        "kvguard.guard(rd): allow pattern rollout_data['kl'][*] matches no path: paths here start with rd, as "
+        "rd['kl'][0] just written does; did you mean rd['kl'][*]?; allow pattern batch['returns'] matches no "
+        "path: paths here start with rd, as rd['kl'][0] just written does"]
+    assert _allow_said(allow) == once * 2  # once per guard made in code
+    assert _allow_said(allow, target=f"newcomer:f{id(allow)}(rd)") == once  # once per target, not per call
+    assert _allow_said(["rd['adv']"]) == []

@@ -62,6 +62,10 @@ def _check_boundaries() -> None:
 
 # `module:qualname`: a function whose writes are all intended while it runs (a weight sync).
 _SCOPE = re.compile(r"^([A-Za-z_][\w.]*):([A-Za-z_][\w.]*)$")
+_HEAD = re.compile(r"^[^\[.]*")  # a path's first name: the guard's (`rd` of `rd['kl'][0]`)
+# The patterns already said to match nothing, per env target: a target's calls each have a
+# guard, and it is said once per process, not per call.
+said_by_target: dict[str, set[str]] = {}
 
 
 class Allowlist:
@@ -98,6 +102,32 @@ class Allowlist:
             if _running(module, qualname, sys._getframe(1)):
                 return f"allow={pattern}"
         return None
+
+
+    def never_matching(self, path: str, name: str, said: set[str]) -> Optional[str]:
+        """Why some path patterns can match nothing, unless in `said` (then added); None if none.
+
+        Every path of a guard named `name` starts with it (`rd` in `rd['kl'][0]`), so a
+        pattern starting with another (`rollout_data['kl'][*]`) never matches: its writes
+        are reported while the user thinks them allowed. `path` is the one just written;
+        the pattern under the guard's name is suggested when it would match. Guards whose
+        paths have other roots (a model per optimizer, autograd's `<saved by ...>`) are
+        not judged.
+        """
+        head = _HEAD.match(path).group(0)  # type: ignore[union-attr]  # matches any string
+        if head != name:
+            return None
+        lines = []
+        for pattern, _ in self._compiled:
+            other = _HEAD.match(pattern).group(0)  # type: ignore[union-attr]
+            if other == head or pattern in said:
+                continue
+            said.add(pattern)
+            renamed = head + pattern[len(other):]
+            meant = f"; did you mean {renamed}?" if matcher(renamed).match(path) else ""
+            lines.append(f"allow pattern {pattern} matches no path: paths here start with {head}, "
+                         f"as {path} just written does{meant}")
+        return "; ".join(lines) or None
 
 
 def _running(module: str, qualname: str, frame: Optional[types.FrameType]) -> bool:

@@ -20,6 +20,7 @@ from kvguard._guard import handlers as _handlers
 from kvguard._guard import options as _options
 from kvguard._guard.allow import Allowlist
 from kvguard._guard.allow import boundaries as allow_boundaries
+from kvguard._guard.allow import said_by_target as allow_said
 from kvguard._guard.target import caller_name, check_target
 from kvguard._protect import frames as _frames
 from kvguard._report.account import CallAccount
@@ -72,6 +73,7 @@ class Guard:
         # not run in this process (`_ranks.register_not_run_check`): the call is then counted
         # as "not run here", not as a clean guarded call.
         self.not_run: Optional[str] = None
+        self._said_never_matching: set[str] = set()  # `allow=` patterns said to match no path
 
     # The options as resolved (`options.Options`), read-only.
     @property
@@ -302,6 +304,10 @@ class Guard:
     def _on_event(self, event: MutationEvent, at_exit: bool = False) -> None:
         if self._allowed(event):  # an intended write: it happens, counted once it has
             return
+        said = allow_said.setdefault(self.target, set()) if self.target else self._said_never_matching
+        never = self.allow.never_matching(event.path, self.name, said)
+        if never is not None:  # an allow= the user thinks covers this write
+            self._warn(f"kvguard.guard({self.name}): {never}", GuardWarning, event.filename, event.lineno)
         self._account.event(event)
         if self.options.keep is None or len(self.report.events) < self.options.keep:
             self.report.events.append(event)
