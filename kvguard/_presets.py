@@ -37,6 +37,15 @@ NeMo-RL (https://github.com/NVIDIA-NeMo/RL, commit 7ea279abfbeb698b092856d0dab61
         34d32bfa5965 they went through advantages expanded from per-sample values (#2787, fixed by
         09b63d9bd: clone first), which a write through shared elements reports even where allowed.
 
+TRL (https://github.com/huggingface/trl, read in the trl 1.16.0 wheel from PyPI, tag v1.16.0,
+built 2026-10-15): the batch each trainer's loss reads, `inputs`:
+    trl/trainer/grpo_trainer.py  GRPOTrainer.compute_loss(self, model, inputs, ...) (since v0.14.0)
+    trl/trainer/rloo_trainer.py  RLOOTrainer.compute_loss(self, model, inputs, ...) (since v0.22.0, the
+        GRPO-style rewrite; the older RLOOTrainer ran its own loop and never calls it)
+    trl/trainer/dpo_trainer.py  DPOTrainer.compute_loss(self, model, inputs, ...)
+    PPOTrainer is gone from trl 1.16.0 (it lived in trl.experimental.ppo up to v1.9.0); OnlineDPOTrainer
+    (trl.experimental) builds its batch inside training_step and passes no dict of tensors to guard.
+
 Version drift is expected: a preset function missing from the installed version (a module
 that does not exist, a function or method that is gone, an argument renamed) is one
 `kvguard:` line at exit, never an error (`kvguard._report.diagnostics`).
@@ -94,6 +103,7 @@ SLIME_COMMIT = "624b824a898ab0ec1fcb4d373004c7f3852bf515"
 VERL_COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
 OPENRLHF_COMMIT = "3c3be6234e0cb353e76bb8019947db9dfe99fca7"
 NEMO_RL_COMMIT = "7ea279abfbeb698b092856d0dab61e7cf39bc909"
+TRL_TAG = "v1.16.0"  # read in the PyPI wheel, which names no commit
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset(
@@ -189,6 +199,35 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
             "the rewards (NVIDIA-NeMo/RL #2787, fixed by 09b63d9bd: clone first)",
             since="v0.7.0", intended=("train_data['advantages']",)),
         )),
+    Preset(
+        "trl", "TRL", "trl", "trl", "huggingface/trl", TRL_TAG, "2026-10-15",
+        "inputs: the batch dict the trainer's loss reads (GRPO: prompt/completion ids and masks, advantages, "
+        "old_per_token_logps, ref_per_token_logps; RLOO: old_logps, advantages; DPO: input_ids, masks, "
+        "precomputed ref_chosen_logps / ref_rejected_logps)",
+        (
+            Function(
+                "trl.trainer.grpo_trainer:GRPOTrainer.compute_loss(inputs)",
+                "trl/trainer/grpo_trainer.py",
+                "reads one buffered slice of _generate_and_score_completions' output: advantages, "
+                "old_per_token_logps (the denominator of the clipped ratio), ref_per_token_logps (the KL term) "
+                "and the masks; with num_iterations > 1 _prepare_inputs serves the same buffered tensors to the "
+                "loss again, so a write in a custom _compute_loss (a subclass's override is guarded through "
+                "this one) changes what the next iterations train on",
+                since="v0.14.0"),
+            Function(
+                "trl.trainer.rloo_trainer:RLOOTrainer.compute_loss(inputs)",
+                "trl/trainer/rloo_trainer.py",
+                "reads the buffered batch's leave-one-out advantages (rewards minus the KL penalty, less "
+                "their baseline), old_logps and the masks, reused across num_iterations as in GRPO",
+                since="v0.22.0"),
+            Function(
+                "trl.trainer.dpo_trainer:DPOTrainer.compute_loss(inputs)",
+                "trl/trainer/dpo_trainer.py",
+                "reads the collated pairs (input_ids, attention_mask, completion_mask) and, with "
+                "precompute_ref_log_probs, ref_chosen_logps / ref_rejected_logps; after the loss the same "
+                "masks and reference log-probs make the logged rewards/chosen, rewards/margins, entropy and "
+                "token counts, so a write changes the loss and the metrics alike"),
+        )),
 )}
 
 _OTHER_SPELLINGS = {"nemo_rl": "nemo-rl", "nemorl": "nemo-rl"}
@@ -269,7 +308,8 @@ def describe(names: Iterable[str] = (), width: int = 100) -> str:
     chosen = [preset_for(n) or _unknown(n) for n in names] or list(PRESETS.values())
     blocks = []
     for preset in chosen:
-        head = [f"{preset.name}: https://github.com/{preset.repo} at commit {preset.commit} ({preset.date})",
+        at = "commit" if len(preset.commit) == 40 else "tag"  # a tag where a wheel was read (trl)
+        head = [f"{preset.name}: https://github.com/{preset.repo} at {at} {preset.commit} ({preset.date})",
                 *textwrap.wrap(f"argument: {preset.argument}", width, initial_indent="  ",
                                subsequent_indent="    ")]
         for function in preset.functions:

@@ -1,4 +1,7 @@
-"""Presets: `KVGUARD_TARGETS=slime` (verl, openrlhf, nemo-rl) guards a framework's functions.
+"""Presets: `KVGUARD_TARGETS=slime` (verl, openrlhf, nemo-rl, trl) guards a framework's functions.
+
+trl is pip-installable and small enough to run for real: its preset is tested on trl's own
+trainers in `test_trl_preset.py`, not against a replica.
 
 Parsing and the `presets` command in process; activation end to end in real subprocesses
 of this environment's Python (activated by `kvguard.pth`, like `test_diagnostics.py`)
@@ -34,7 +37,7 @@ from kvguard._targets import Target
 
 FAKE = Path(__file__).resolve().parent / "fake_frameworks"
 JOBS = FAKE / "jobs"
-KNOWN = "slime, verl, openrlhf, nemo-rl"
+KNOWN = "slime, verl, openrlhf, nemo-rl, trl"
 
 
 # ── parsing ──────────────────────────────────────────────────────────────────────────────
@@ -86,7 +89,7 @@ def test_an_unknown_preset_is_a_config_error_naming_the_known_ones() -> None:
 
 def test_every_preset_function_names_its_file_and_why() -> None:
     for preset in PRESETS.values():
-        assert len(preset.commit) == 40 and preset.functions
+        assert (len(preset.commit) == 40 or preset.commit.startswith("v")) and preset.functions  # trl: a tag
         for function in preset.functions:
             (target,) = parse_targets(function.target)
             assert function.file == target.module.replace(".", "/") + ".py"
@@ -99,7 +102,8 @@ def test_presets_command_lists_what_each_guards(capsys: pytest.CaptureFixture[st
     assert main(["presets"]) == 0
     out = capsys.readouterr().out
     for preset in PRESETS.values():
-        assert f"{preset.name}: https://github.com/{preset.repo} at commit {preset.commit}" in out
+        at = "commit" if len(preset.commit) == 40 else "tag"
+        assert f"{preset.name}: https://github.com/{preset.repo} at {at} {preset.commit}" in out
         for function in preset.functions:
             assert f"\n  {function.target}\n    source {function.file} @ {preset.commit[:12]}" in out
     assert "    before slime.backends.megatron_utils.data:log_rollout_data(rollout_data) in v0.3.1" in out
@@ -110,8 +114,8 @@ def test_presets_command_shows_one_preset_or_names_the_known_ones(capsys: pytest
     assert main(["presets", "verl"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("verl: https://github.com/volcengine/verl at commit ") and "slime" not in out
-    assert main(["presets", "trl"]) == 2
-    assert capsys.readouterr().err == f"kvguard: no preset is called 'trl'; known presets: {KNOWN}\n"
+    assert main(["presets", "ppo"]) == 2
+    assert capsys.readouterr().err == f"kvguard: no preset is called 'ppo'; known presets: {KNOWN}\n"
 
 
 # ── the replicas are faithful to the real sources ─────────────────────────────────────────
