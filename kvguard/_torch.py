@@ -574,7 +574,8 @@ def capturing() -> bool:
     """Whether this thread's current CUDA stream is capturing a graph: reading a value now (a
     copy to the host, `.item()`) would break the user's capture, so a report reads none."""
     try:
-        return bool(torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+        return bool(torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+                    and torch.cuda.is_current_stream_capturing())
     except Exception:  # noqa: BLE001 - a build without CUDA: never capturing
         return False
 

@@ -119,7 +119,7 @@ def _wrap_all() -> None:
             todo += cls.__subclasses__()
     original = Dataset.__dict__.get("__init_subclass__")
 
-    def __init_subclass__(cls: type, **kwargs: Any) -> None:
+    def __init_subclass__(cls: Any, /, **kwargs: Any) -> None:
         super(Dataset, cls).__init_subclass__(**kwargs)
         if _active:
             _wrap_class(cls)

@@ -33,7 +33,7 @@ class _Returned(weakref.ref):  # type: ignore[type-arg]
         return super().__new__(cls, tensor, callback)
 
     def __init__(self, tensor: torch.Tensor, callback: Any, path: str, placed: Optional[str]) -> None:
-        super().__init__(tensor, callback)
+        super().__init__(tensor, callback)  # type: ignore[call-arg]  # weakref.ref takes them (typeshed says not)
         self.path = path
         self.placed = placed
 
