@@ -74,11 +74,16 @@ def test_the_preset_names_functions_and_arguments_that_trl_has(trl_installed: No
 @pytest.mark.slow
 @pytest.mark.parametrize("trainer", ["grpo", "rloo"])
 def test_a_trainers_own_loop_is_clean_under_raise(trl_installed: None, trainer: str) -> None:
-    done = kvguard_run("trl_grpo.py", "--trainer", trainer)
+    """GRPO with a KL term: the batch holds ref_per_token_logps, and trl blends the reference model
+    toward the policy in place every step (sync_ref_model), which the weights switch leaves alone."""
+    done = kvguard_run("trl_grpo.py", "--trainer", trainer, *(["--beta", "0.04"] if trainer == "grpo" else []))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step 2 loss " in done.stdout
     lines = exit_lines(done.stderr)
-    assert f"kvguard: {GUARDED[trainer]}: 2 guarded calls, " in "\n".join(lines), done.stderr[-3000:]
+    # GRPO's batch: prompt/completion ids and masks, advantages, num_items_in_batch, old and ref log-probs
+    tensors = {"grpo": 16, "rloo": 12}[trainer]
+    assert f"kvguard: {GUARDED[trainer]}: 2 guarded calls, {tensors} tensors protected, no in-place writes" in lines, \
+        done.stderr[-3000:]
     assert len(lines) == 3 and all(line.endswith(", no in-place writes") for line in lines), lines
     assert lines[0].startswith("kvguard: autograd: ") and lines[2].startswith("kvguard: weights: ")
     assert "cannot guard" not in done.stderr and "preset trl" not in done.stderr

@@ -3,7 +3,9 @@ built from a config, a word-level tokenizer built in memory and an in-memory dat
 
 num_iterations=2: each generated batch is trained on twice, so the same `inputs` dict (advantages,
 old log-probs, masks) reaches the loss twice. The job's custom loss scales the advantages; with
---bug it does so in place, so the second pass trains on advantages scaled twice.
+--bug it does so in place, so the second pass trains on advantages scaled twice. --beta 0.04: a
+KL term against a reference model that trl loads from the saved policy and blends toward it every
+step (sync_ref_model), so the batch holds ref_per_token_logps too.
 Prints the trainer's own logged losses."""
 
 import argparse
@@ -56,6 +58,7 @@ def main() -> None:
     parser.add_argument("--trainer", choices=["grpo", "rloo"], default="grpo")
     parser.add_argument("--bug", action="store_true")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--beta", type=float, default=0.0)
     opts = parser.parse_args()
     torch.manual_seed(0)
     datasets.disable_progress_bars()
@@ -67,8 +70,12 @@ def main() -> None:
     config, trainer = {"grpo": (GRPOConfig, GRPOTrainer), "rloo": (RLOOConfig, RLOOTrainer)}[opts.trainer]
     args = config(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
-        num_iterations=2, beta=0.0, max_steps=opts.steps, learning_rate=1e-3, logging_steps=1, save_strategy="no",
-        report_to="none", use_cpu=True, disable_tqdm=True, seed=0, data_seed=0)
+        num_iterations=2, beta=opts.beta, sync_ref_model=opts.beta > 0, ref_model_sync_steps=1, max_steps=opts.steps,
+        learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
+        seed=0, data_seed=0)
+    if opts.beta > 0:  # trl builds the reference model from a path (its config's name)
+        model.save_pretrained(path := tempfile.mkdtemp())
+        model = path
     job = scaled(trainer)(model=model, processing_class=tok, reward_funcs=reward_vowels, args=args,
                           train_dataset=prompts)
     job.bug = opts.bug
