@@ -182,3 +182,49 @@ def test_an_allow_pattern_under_another_name_is_said_once_with_the_path_written(
     assert _allow_said(allow) == once * 2  # once per guard made in code
     assert _allow_said(allow, target=f"newcomer:f{id(allow)}(rd)") == once  # once per target, not per call
     assert _allow_said(["rd['adv']"]) == []
+
+
+# 6. A process guard has one call: its exit lines speak of forward passes and optimizer steps.
+
+def test_autograd_and_weights_exit_lines_name_the_forward_pass_and_the_optimizer_step(tmp_path: Path) -> None:
+    job = """
+        import torch
+
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            y = torch.sigmoid(model(torch.randn(2, 3)))
+            if step == 1:
+                y.mul_(2)  # a tensor sigmoid saved: backward would fail
+                continue
+            y.sum().backward()
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            model.weight.mul_(0.5)  # the weights, after the second step
+        print("job done")
+    """
+    result = run_job(tmp_path, {"job.py": job}, KVGUARD="warn", KVGUARD_TARGETS="autograd,weights")
+    assert result.returncode == 0 and result.stdout == "job done\n", result.stderr
+    assert result.stderr.splitlines()[-4:] == [
+        "kvguard: autograd: 6 saved tensors protected in 2 forward passes, 1 write at 1 site",
+        "  job.py:10 aten.mul_.Tensor: 1 write to <saved by SigmoidBackward0: result> in 1 forward pass "
+        "(first: <saved by SigmoidBackward0: result>, forward pass 2)",
+        "kvguard: weights: 2 parameters and buffers watched over 2 optimizer steps, 1 write at 1 site",
+        "  job.py:16 aten.mul_.Tensor: 1 write to model.weight (first: model.weight, after optimizer step 2)"]
+
+
+def test_a_process_guards_site_line_without_a_moment_names_only_the_first_path() -> None:
+    from kvguard._report.events import MutationEvent
+    from kvguard._report.tally import Tally
+
+    event = MutationEvent("model.weight", "aten.mul_.Tensor", "write", False, "/x/job.py", 3, "w.mul_(2)", "f",
+                          None, "f32[2] cpu", "", "", "")
+    tally = Tally()
+    for label, moment in [("weights", 0), ("autograd", None), ("rd", None)]:
+        tally.add(event, 1, label, moment)
+    assert [line for line in tally.lines() if line.startswith("  ")] == [
+        "  job.py:3 aten.mul_.Tensor: 1 write to model.weight (first: model.weight, before the first optimizer step)",
+        "  job.py:3 aten.mul_.Tensor: 1 write to model.weight (first: model.weight)",
+        "  job.py:3 aten.mul_.Tensor: 1 write to model.weight in 1 call (first: model.weight, call 1)"]

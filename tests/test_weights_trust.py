@@ -136,7 +136,7 @@ def test_under_pytest_the_optimizer_is_watched_and_a_failure_is_never_hidden(tmp
     assert ("kvguard: KVGUARD_TARGETS=weights cannot watch SGD made at test_inner.py:7 (RuntimeError: simulated "
             "failure); its weights are not protected") in err
     assert "kvguard: weights: 2 parameters and buffers watched over 1 optimizer step, 1 write at 1 site" in err
-    assert "  test_inner.py:12 aten.add_.Tensor: 1 write to m.weight in 1 call (first: m.weight, call 1)" in err
+    assert "  test_inner.py:12 aten.add_.Tensor: 1 write to m.weight (first: m.weight, after optimizer step 1)" in err
     assert ("kvguard: weights: 1 optimizer or module could not be watched, so their weights were not protected: "
             "SGD made at test_inner.py:7") in err
     assert not any("no optimizer was made" in line for line in err)

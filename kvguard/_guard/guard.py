@@ -308,7 +308,8 @@ class Guard:
         never = self.allow.never_matching(event.path, self.name, said)
         if never is not None:  # an allow= the user thinks covers this write
             self._warn(f"kvguard.guard({self.name}): {never}", GuardWarning, event.filename, event.lineno)
-        self._account.event(event)
+        protected = self._protected  # None at exit: what it found then has no forward pass or step
+        self._account.event(event, *((protected.graphs, protected.steps) if protected is not None else ()))
         if self.options.keep is None or len(self.report.events) < self.options.keep:
             self.report.events.append(event)
         else:

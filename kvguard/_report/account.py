@@ -8,7 +8,7 @@ from typing import Optional
 from kvguard._report import files as _files
 from kvguard._report.events import MutationEvent
 from kvguard._report.process import PROCESS
-from kvguard._report.tally import Tally
+from kvguard._report.tally import AUTOGRAD_LABEL, WEIGHTS_LABEL, Tally
 
 
 class CallAccount:
@@ -34,9 +34,12 @@ class CallAccount:
         for tally in self._tallies[1:]:
             tally.begin_call(self.label)
 
-    def event(self, event: MutationEvent) -> None:
+    def event(self, event: MutationEvent, graphs: Optional[int] = None, steps: Optional[int] = None) -> None:
+        """Count a write; `graphs` and `steps` are the guard's forward passes and optimizer steps so far
+        (None: not known, at exit), for what autograd saved and for the weights."""
+        moment = graphs if self.label == AUTOGRAD_LABEL else steps if self.label == WEIGHTS_LABEL else None
         for tally in self._tallies:
-            tally.add(event, self.call, self.label)
+            tally.add(event, self.call, self.label, moment)
 
     def allowed(self, reason: str) -> None:
         for tally in self._tallies:

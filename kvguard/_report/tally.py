@@ -55,16 +55,19 @@ class TargetStats:
 class SiteStats:
     """Every write at one site: counts, the path patterns written, and the first example."""
 
-    def __init__(self, event: MutationEvent, call: int) -> None:
+    def __init__(self, event: MutationEvent, call: int, moment: Optional[int] = None) -> None:
         self.first = event
         self.first_call = call
+        self.first_moment = moment  # a process guard's forward pass or optimizer step (`Tally.add`)
         self.last_call = 0
         self.calls = 0
+        self.last_moment: Optional[int] = None
+        self.moments = 0
         self.writes = 0
         self.blocked = 0
         self.paths: dict[str, int] = {}
 
-    def add(self, event: MutationEvent, call: int) -> None:
+    def add(self, event: MutationEvent, call: int, moment: Optional[int] = None) -> None:
         self.writes += 1
         self.blocked += event.blocked
         key = collapse(event.path)
@@ -72,16 +75,32 @@ class SiteStats:
         if call != self.last_call:  # calls run one after another; nested guards may count twice
             self.calls += 1
             self.last_call = call
+        if moment is not None and moment != self.last_moment:
+            self.moments += 1
+            self.last_moment = moment
 
-    def line(self) -> str:
-        """`loss.py:775 aten.mul_.Tensor: 10,240 writes to rollout_data['kl'][*] in 10 calls (first: ...)`."""
+    def line(self, label: str = "") -> str:
+        """`loss.py:775 aten.mul_.Tensor: 10,240 writes to rollout_data['kl'][*] in 10 calls (first: ...)`.
+
+        A process guard has one call: what autograd saved counts forward passes instead,
+        the weights optimizer steps (`... (first: model.fc.weight, after optimizer step 2)`).
+        """
         paths = ", ".join(sorted(self.paths, key=lambda p: -self.paths[p])[:3])
         if len(self.paths) > 3:
             paths += f" (+{len(self.paths) - 3})"
         what = plural(self.writes, "write") + (" blocked" if self.blocked == self.writes else
                                                f" ({self.blocked:,} blocked)" if self.blocked else "")
-        return (f"{self.first.site} {self.first.op}: {what} to {paths} in {plural(self.calls, 'call')} "
-                f"(first: {self.first.path}, call {self.first_call})")
+        head = f"{self.first.site} {self.first.op}: {what} to {paths}"
+        moment = self.first_moment
+        if label == AUTOGRAD_LABEL:
+            return head + (f" in {plural(self.moments, 'forward pass', 'forward passes')} "
+                           f"(first: {self.first.path}, forward pass {moment})" if moment else
+                           f" (first: {self.first.path})")
+        if label == WEIGHTS_LABEL:
+            when = "" if moment is None else (", before the first optimizer step" if moment == 0 else
+                                              f", after optimizer step {moment}")
+            return head + f" (first: {self.first.path}{when})"
+        return head + f" in {plural(self.calls, 'call')} (first: {self.first.path}, call {self.first_call})"
 
     def as_record(self) -> dict[str, Any]:
         ev = self.first
@@ -131,14 +150,18 @@ class Tally:
                 total[reason] = total.get(reason, 0) + count
         return total
 
-    def add(self, event: MutationEvent, call: int, label: Optional[str] = None) -> None:
-        """Count a write at its site, in the process's counts and in those of target `label`."""
+    def add(self, event: MutationEvent, call: int, label: Optional[str] = None, moment: Optional[int] = None) -> None:
+        """Count a write at its site, in the process's counts and in those of target `label`.
+
+        `moment`: for a process guard (`PROCESS_LABELS`), the forward pass or optimizer step
+        the write came in, where its exit line speaks of those rather than of its one call.
+        """
         key = (event.filename, event.lineno, event.op)
         for sites in [self.sites] + ([self.target(label).sites] if label is not None else []):
             site = sites.get(key)
             if site is None:
-                site = sites[key] = SiteStats(event, call)
-            site.add(event, call)
+                site = sites[key] = SiteStats(event, call, moment)
+            site.add(event, call, moment)
 
     def allow(self, reason: str, label: Optional[str] = None) -> None:
         for allowed in [self.allowed] + ([self.target(label).allowed] if label is not None else []):
@@ -167,7 +190,7 @@ class Tally:
         lines = []
         for label, stats in active:
             lines.append(f"{who}: {display_label(label)}: {_head(stats, stats.sites, calls, label)}")
-            lines += _detail_lines(stats.sites, stats.allowed)
+            lines += _detail_lines(stats.sites, stats.allowed, label)
         return lines
 
     def counted(self, label: str) -> bool:
@@ -231,9 +254,9 @@ def _head(stats: TargetStats, sites: dict[SiteKey, SiteStats], calls: Optional[s
     return head
 
 
-def _detail_lines(sites: dict[SiteKey, SiteStats], allowed: dict[str, int]) -> list[str]:
+def _detail_lines(sites: dict[SiteKey, SiteStats], allowed: dict[str, int], label: str = "") -> list[str]:
     ordered = sorted(sites.values(), key=lambda s: -s.writes)
-    lines = [f"  {site.line()}" for site in ordered[:MAX_SITE_LINES]]
+    lines = [f"  {site.line(label)}" for site in ordered[:MAX_SITE_LINES]]
     if len(ordered) > MAX_SITE_LINES:
         lines.append(f"  … and {plural(len(ordered) - MAX_SITE_LINES, 'more site')} (see the report files)")
     return lines + [f"  allowed: {plural(count, 'write')} by {reason}" for reason, count in allowed.items()]
