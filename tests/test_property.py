@@ -65,7 +65,7 @@ KVGUARD_HYPOTHESIS_EXAMPLES sets the number of generated programs under the comp
 (default 600; a third of that under the kernels and mode engines: about 35 s for the whole
 file on one core of a 2-core machine) in the `slow` tier CI runs; the README's quick command
 (-m 'not slow') runs QUICK_EXAMPLES of them (and every hand-made one) under one engine
-(KVGUARD_HYPOTHESIS_QUICK_EXAMPLES, default 100); for a longer local
+(KVGUARD_HYPOTHESIS_QUICK_EXAMPLES, default 50); for a longer local
 hunt, e.g. `KVGUARD_HYPOTHESIS_EXAMPLES=5000 pytest tests/test_property.py` (a few
 minutes).
 """
@@ -92,7 +92,7 @@ from hypothesis import strategies as st
 import kvguard
 
 EXAMPLES = int(os.environ.get("KVGUARD_HYPOTHESIS_EXAMPLES", "600"))
-QUICK_EXAMPLES = int(os.environ.get("KVGUARD_HYPOTHESIS_QUICK_EXAMPLES", "100"))
+QUICK_EXAMPLES = int(os.environ.get("KVGUARD_HYPOTHESIS_QUICK_EXAMPLES", "50"))
 KEEP_KNOWN_BUGS = os.environ.get("KVGUARD_PROPERTY_KNOWN_BUGS", "").strip().lower() not in ("", "0", "no", "off")
 VARIANTS = (("full", "record"), ("full", "raise"), ("light", "record"), ("light", "raise"))
 
