@@ -48,7 +48,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     report.add_argument("--run", metavar="ID", help="only this run id")
     report.add_argument("--rank", type=int, metavar="R", help="only the processes of this rank")
     report.add_argument("--json", action="store_true", help="print the runs as JSON")
-    report.add_argument("--width", type=int, default=None)
+    report.add_argument("--width", type=int, default=None, metavar="N",
+                        help="the table's width (default: COLUMNS, else the terminal's; in a pipe or a log, "
+                             "as wide as the table's contents)")
 
     presets = sub.add_parser("presets", help="list the presets KVGUARD_TARGETS accepts and what each guards")
     presets.add_argument("names", nargs="*", metavar="NAME", help="only these presets")

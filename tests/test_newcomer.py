@@ -228,3 +228,24 @@ def test_a_process_guards_site_line_without_a_moment_names_only_the_first_path()
         "  job.py:3 aten.mul_.Tensor: 1 write to model.weight (first: model.weight, before the first optimizer step)",
         "  job.py:3 aten.mul_.Tensor: 1 write to model.weight (first: model.weight)",
         "  job.py:3 aten.mul_.Tensor: 1 write to model.weight in 1 call (first: model.weight, call 1)"]
+
+
+# 7. `kvguard report` in a pipe or a CI log: the table as wide as what it holds.
+
+def test_the_report_table_in_a_pipe_is_as_wide_as_its_contents(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from kvguard.__main__ import main
+
+    key = "per_token_kl_between_the_policy_and_the_reference_model_after_shaping"
+    rd = {key: [torch.ones(3)]}
+    with kvguard.guard(rd, action="record", name="rollout_data", report_dir=tmp_path / "reports"):
+        k = rd[key][0]
+        k *= 0.5
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert main(["report", str(tmp_path / "reports")]) == 1
+    table = [line for line in capsys.readouterr().out.splitlines() if line[0] in "┏┃┡│└"]
+    assert len({len(line) for line in table}) == 1 and len(table[0]) > 150  # one width, wider than a terminal's guess
+    assert f"rollout_data['{key}'][*]" in table[3] and f"rollout_data['{key}'][0]" in table[3]  # whole, one line
+    assert "call 1: 3/3 elements changed, max |Δ| 0.5, 0 sign flips" in table[4]
+    assert main(["report", str(tmp_path / "reports"), "--width", "100"]) == 1
+    assert {len(line) for line in capsys.readouterr().out.splitlines() if line[0] in "┏┃┡│└"} == {100}

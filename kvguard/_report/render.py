@@ -11,7 +11,7 @@ import io
 import os
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from kvguard._report.events import (  # the plain and rich text of events lives with them
     MAX_EVENT_CHARS, MutationEvent, _clip_value, format_event, rich_event)
@@ -113,7 +113,7 @@ def _site_table(rows: list[dict[str, Any]], width: Any) -> str:
     # A path is read whole (it is what users grep and paste): the columns that start with one
     # are as wide as the longest, up to 40 characters and to what the width leaves after the
     # others' narrowest (a site's longest word, writes 10, ranks 8; 3 characters of rule each).
-    width = width or _width(sys.stdout)
+    width = width or _report_width(sys.stdout) or _UNBOUNDED
     site = max((len(word) for row in rows for word in f"{row['site']} {row['op']}".split()), default=0)
     room = (width - 3 * len(columns) - 1 - min(site, 30) - 10 - (8 if ranked else 0)) // 2
     longest = max((len(str(path)) for row in rows for path in (*row["paths"], row["first"].get("path"))),
@@ -151,12 +151,31 @@ def _event_table(rows: list[dict[str, Any]], width: Any) -> str:
 
 
 def _table_text(table: Any, width: Any) -> str:
+    """The table as plain text, `width` wide; else as wide as the terminal, or (in a pipe, a CI
+    log) as its contents: cropped at a guessed width, a path or a diff would be cut mid-word."""
     from rich.console import Console
 
+    width = width or _report_width(sys.stdout)
+    if width is None:
+        width = Console(file=io.StringIO(), width=_UNBOUNDED).measure(table).maximum
     buffer = io.StringIO()
-    console = Console(file=buffer, width=width or _width(sys.stdout), color_system=None, force_terminal=False)
+    console = Console(file=buffer, width=width, color_system=None, force_terminal=False)
     console.print(table)
     return buffer.getvalue().rstrip("\n")
+
+
+_UNBOUNDED = 10_000  # a table's width when nothing bounds it: as wide as its contents
+
+
+def _report_width(out: Any) -> Optional[int]:
+    """`kvguard report`'s width: `COLUMNS`, else the terminal's; None when `out` is no terminal."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit():
+        return max(60, int(columns))
+    try:
+        return max(60, os.get_terminal_size(out.fileno()).columns) if out.isatty() else None
+    except (OSError, AttributeError, ValueError, io.UnsupportedOperation):
+        return None
 
 
 def _ranges(ranks: list[int]) -> str:
