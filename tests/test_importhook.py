@@ -235,4 +235,5 @@ def test_one_wrapper_and_one_message_for_a_missing_parameter(tmp_path: Path) -> 
     said = [line for line in result.stderr.splitlines() if "has no parameter" in line]
     tail = "step() has no parameter 'rolout_data'; its parameters are args, rollout_data; did you mean rollout_data?"
     assert str(decorated.value).startswith("kvguard.guarded('rolout_data'): ") and str(decorated.value).endswith(tail)
-    assert said == [f"kvguard: cannot guard paramjob:step(rolout_data): {tail}"]
+    assert said == [f"kvguard: cannot guard paramjob:step(rolout_data): {tail}",  # once as it loads, once at exit
+                    f"kvguard: target paramjob:step(rolout_data) was not guarded: {tail}"]
