@@ -7,6 +7,7 @@ pure: it reads schemas and tensor metadata, never tensor values.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 import threading
@@ -844,6 +845,27 @@ def on_module_conversion(listener: ConversionListener) -> Callable[[], None]:
 
 
 _converting = threading.local()
+
+
+def updates_own_buffers(module: Any) -> bool:
+    """Whether `module`'s forward (or a forward hook of torch's on it) updates its own buffers in
+    training: batch norm and instance norm with running statistics, the classic spectral norm's
+    `weight_u`/`weight_v`, the parametrized spectral norm's `_u`/`_v`, quantization observers."""
+    classes, hook_class = _self_updating()
+    if isinstance(module, classes):
+        return True
+    hooks = getattr(module, "_forward_pre_hooks", None) or {}
+    return any(isinstance(hook, hook_class) for hook in hooks.values())
+
+
+@functools.lru_cache(maxsize=None)
+def _self_updating() -> tuple[tuple[type, ...], type]:
+    from torch.ao.quantization import FakeQuantizeBase, ObserverBase
+    from torch.nn.modules.batchnorm import _NormBase
+    from torch.nn.utils.parametrizations import _SpectralNorm
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
+    return (_NormBase, _SpectralNorm, ObserverBase, FakeQuantizeBase), SpectralNorm
 
 
 def module_apply_kind(fn: Any) -> str:

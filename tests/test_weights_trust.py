@@ -96,7 +96,7 @@ def test_frames_without_dict_are_searched_under_the_env_switch(tmp_path: Path) -
                      "self.model.0.bias was modified in place by aten.mul_.Tensor at slotted.py:17",
                      "m.bias was modified in place by aten.zero_.default at slotted.py:24",
                      "ref.weight was modified in place by aten.mul_.Tensor at slotted.py:30",
-                     "slotted.py:39 (no dispatched op): 1 write to adapter.weight in 1 call",
+                     "slotted.py:39 (no dispatched op): 1 write to adapter.weight",
                      "adapter.bias was modified in place by aten.add_.Tensor at slotted.py:40"):
         assert headline in err, err
     assert "weights: 14 parameters and buffers watched over 5 optimizer steps, 6 writes at 6 sites" in err
@@ -279,14 +279,32 @@ def test_batch_norm_and_spectral_norm_update_their_own_buffers_unreported(level:
 
 @pytest.mark.parametrize("level", ["full", "light"])
 def test_a_stray_write_to_a_buffer_outside_its_module_is_still_reported(level: str) -> None:
+    """Level full sees who writes: a stray write to a self-updating buffer is reported. Level light
+    sees no forward: such buffers (batch norm's, spectral norm's) are taken again at each
+    comparison, as documented; a buffer no module updates itself is compared at both."""
     d = _discriminator()
+    d.register_buffer("mask", torch.ones(3))
     opt = torch.optim.Adam(d.parameters(), lr=1e-3)
     with kvguard.guard_module(d, name="d", optimizer=opt, action="record", level=level) as g:
         d(torch.randn(8, 3)).mean().backward()
         opt.step()
         d[0].weight_u.detach().numpy()[0] = 3.0   # no op shows it; d[0] is not called again
         d[2].running_var.detach().numpy()[:] = 0.0
-    assert sorted(e.path for e in g.report.events) == ["d.0.weight_u", "d.2.running_var"]
+        d.mask.detach().numpy()[1] = 0.0
+    expected = ["d.0.weight_u", "d.2.running_var", "d.mask"] if level == "full" else ["d.mask"]
+    assert sorted(e.path for e in g.report.events) == expected
+
+
+def test_which_modules_update_their_own_buffers() -> None:
+    from kvguard import _torch
+
+    sn = torch.nn.utils.spectral_norm(torch.nn.Linear(3, 3))
+    psn = torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(3, 3))
+    yes = [torch.nn.BatchNorm1d(3), torch.nn.InstanceNorm2d(3, track_running_stats=True), torch.nn.SyncBatchNorm(3),
+           sn, psn.parametrizations.weight[0], torch.ao.quantization.MinMaxObserver()]
+    no = [torch.nn.Linear(3, 3), torch.nn.Sequential(torch.nn.BatchNorm1d(3)), psn, torch.nn.LayerNorm(3)]
+    assert [_torch.updates_own_buffers(m) for m in yes] == [True] * len(yes)
+    assert [_torch.updates_own_buffers(m) for m in no] == [False] * len(no)
 
 
 def test_a_hook_writing_a_parameter_is_not_the_modules_own_update() -> None:

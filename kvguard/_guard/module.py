@@ -89,7 +89,7 @@ class ModuleGuard(Guard):
                 live.converted(module)
         self._unwrap.append(_torch.on_module_conversion(converting))
         if self.level != "full":  # no op is seen: the intended writes the stack would show, seen otherwise
-            self._unwrap.append(_watch_calls(self._protected))
+            self._protected.light = True
             self._unwrap.append(_on_load(loaded))
         return self
 
@@ -167,18 +167,6 @@ class ModuleGuard(Guard):
 
 
 _holder_keys = itertools.count(1)  # what a protected set knows each optimizer by
-
-
-def _watch_calls(protected: Any) -> Any:
-    """Level "light": note each module called (a forward pre-hook for every module, while the guard
-    is active), so that its own buffer updates are not reported (`ModuleSet._absorb_calls`)."""
-    import torch
-
-    called = protected.called = set()
-
-    def note(module: Any, args: Any) -> None:
-        called.add(id(module))
-    return torch.nn.modules.module.register_module_forward_pre_hook(note).remove
 
 
 _load_listeners: list[Any] = []

@@ -58,9 +58,9 @@ class ModuleSet(ProtectedSet):
         self._stepping: set[int] = set()  # ids of the entries an optimizer step is writing now
         self._guarded_modules: set[int] = set()  # ids of every module of the guarded trees
         self._step_sets: dict[tuple[int, ...], list[Entry]] = {}  # a step's parameters -> all it writes
-        # Level "light" only (no op is seen): ids of the modules called since the last comparison,
-        # whose own buffers their forward (or its hooks: spectral_norm) may have updated.
-        self.called: Optional[set[int]] = None
+        # Level "light" (no op is seen): the buffers that their modules update themselves are
+        # taken again at each comparison, not compared (`_absorb_own_updates`).
+        self.light = False
         # Level "full": entries an intended write (batch norm's forward, a load) is writing, whose
         # digests are taken again once it is done (at the next write looked at, step or boundary);
         # and what changed in them, with no op reporting it, before that write would absorb it.
@@ -177,7 +177,7 @@ class ModuleSet(ProtectedSet):
         with collector_paused():
             self._scan_now(None)
         self._settle()
-        self._absorb_calls()
+        self._absorb_own_updates()
         found = super().boundary_changes(caller, rescan=False)
         early, self._early = self._early, []
         later = [Change(e, t, "values", None, None) for e in self._later.collect() if (t := e.ref()) is not None]
@@ -234,26 +234,26 @@ class ModuleSet(ProtectedSet):
             entry.explained = True  # until `_settle`: a boundary check meanwhile does not count it
             self._pending[id(entry)] = entry
 
-    def _absorb_calls(self) -> None:
-        """Level "light": a module called since the last comparison may have updated its own buffers
-        (batch norm's statistics, spectral_norm's `weight_u`): their digests start again, with
-        no report. (Its parameters are compared: only an Embedding with `max_norm` writes its own.)"""
-        called = self.called
-        if not called:
+    def _absorb_own_updates(self) -> None:
+        """Level "light": the buffers a module updates in its own forward or its hooks (batch norm's
+        statistics, spectral norm's `weight_u`, a quantization observer's range) may have changed
+        in any forward since the last comparison, which this level cannot see: their digests start
+        again, with no report. Other buffers and every parameter are compared."""
+        if not self.light:
             return
+        from kvguard import _torch
+
         own = []
         for entry in self._entries.values():
             ref = self._owner.get(id(entry))
             owner = ref() if ref is not None else None
-            if owner is not None and id(owner) in called:
-                tensor = entry.ref()
-                if not isinstance(tensor, torch.nn.Parameter) or getattr(owner, "max_norm", None) is not None:
-                    own.append(entry)
-        called.clear()
-        with collector_paused():
-            self.explain(own)  # their digests start again from their values now
-
-    # -- intended writes -------------------------------------------------------------
+            tensor = entry.ref()
+            if owner is not None and tensor is not None and not isinstance(tensor, torch.nn.Parameter) \
+                    and _torch.updates_own_buffers(owner):
+                own.append(entry)
+        if own:
+            with collector_paused():
+                self.explain(own)
 
     def intervals(self) -> list[tuple[int, int]]:
         if not self._stepping:
@@ -271,7 +271,7 @@ class ModuleSet(ProtectedSet):
         if self._released:
             self.look()
         self._settle()
-        self._absorb_calls()
+        self._absorb_own_updates()
         stepping = self._step_entries(tensors)
         with collector_paused():
             found, moved = self._compare_soon([(e, t) for e in stepping if (t := e.ref()) is not None])
