@@ -11,10 +11,10 @@ import io
 import os
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 from kvguard._report.events import (  # the plain and rich text of events lives with them
-    MAX_EVENT_CHARS, MutationEvent, _clip_value, format_event, rich_event)
+    MutationEvent, _clip_value, format_event, rich_event)
 from kvguard._report.tally import PROCESS_LABELS, display_label, watched
 from kvguard._text import plural
 
