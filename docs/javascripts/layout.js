@@ -1,51 +1,68 @@
 // kvguard docs: layout helpers (mkdocs.yml: extra_javascript). Presentation only.
 (function () {
-  // Where a long identifier in a table may break: after . : / ( [ , (never inside a word
-  // such as KVGUARD_TARGETS).
-  var BREAK_AFTER = /([.:/(\[,])(?=[^\s)\]])/g;
+  // Inline code is split only where a reader expects it: at spaces, and in a long word
+  // (a module:qualname, a path) after . : / ( [ , . A word such as KVGUARD_TARGETS,
+  // --report-dir or allow=() stays on one line: each piece between break points is a
+  // nowrap span (extra.css), with a <wbr> after it. The text itself is unchanged.
+  var BREAK_AFTER = /([.:/(\[,])(?=[^\s)\]])/;
+  var LONG = 24;
 
-  function breakPoints(code) {
-    if (code.textContent.length < 20 || code.children.length) return;
-    var parts = code.textContent.split(BREAK_AFTER);
-    if (parts.length < 2) return;
+  function keepWords(code) {
+    if (code.children.length || !/[^\w\s]/.test(code.textContent)) return;
+    var words = code.textContent.split(/(\s+)/);
     code.textContent = "";
-    for (var i = 0; i < parts.length; i++) {
-      if (!parts[i]) continue;
-      code.appendChild(document.createTextNode(parts[i]));
-      if (i % 2 === 1) code.appendChild(document.createElement("wbr"));
-    }
+    words.forEach(function (word) {
+      if (!word) return;
+      if (/^\s+$/.test(word) || /^\w+$/.test(word)) {
+        code.appendChild(document.createTextNode(word));
+        return;
+      }
+      var pieces = word.length > LONG ? word.split(new RegExp(BREAK_AFTER.source, "g")) : [word];
+      // split() with a capture group alternates piece, separator, piece, ...
+      var joined = [];
+      for (var i = 0; i < pieces.length; i += 2) joined.push(pieces[i] + (pieces[i + 1] || ""));
+      joined.forEach(function (piece, j) {
+        if (!piece) return;
+        var span = document.createElement("span");
+        span.className = "kv-nowrap";
+        span.textContent = piece;
+        code.appendChild(span);
+        if (j < joined.length - 1) code.appendChild(document.createElement("wbr"));
+      });
+    });
   }
 
   // A bash block's lines each in a block span, so that a wrapped command's continuation is
-  // indented (extra.css).
+  // indented (extra.css). Each span keeps its newline: the block's text, which the copy
+  // button copies, is unchanged.
   function lineSpans(code) {
     if (code.querySelector(".kv-line")) return;
     var lines = [[]];
     Array.prototype.slice.call(code.childNodes).forEach(function (node) {
       if (node.nodeType === 3 && node.data.indexOf("\n") >= 0) {
-        var pieces = node.data.split("\n");
-        pieces.forEach(function (piece, j) {
-          if (j > 0) lines.push([]);
+        node.data.split("\n").forEach(function (piece, j, all) {
           if (piece) lines[lines.length - 1].push(document.createTextNode(piece));
+          if (j < all.length - 1) {
+            lines[lines.length - 1].push(document.createTextNode("\n"));
+            lines.push([]);
+          }
         });
       } else {
         lines[lines.length - 1].push(node);
       }
     });
-    if (lines.length && lines[lines.length - 1].length === 0) lines.pop();
     code.textContent = "";
     lines.forEach(function (nodes) {
+      if (!nodes.length) return;
       var span = document.createElement("span");
       span.className = "kv-line";
       nodes.forEach(function (n) { span.appendChild(n); });
-      if (!nodes.length) span.appendChild(document.createTextNode("\u200b"));
       code.appendChild(span);
     });
   }
 
   function run() {
-    document.querySelectorAll(".md-typeset table:not([class]) code, .md-typeset .doc-md-description code")
-      .forEach(breakPoints);
+    document.querySelectorAll(".md-typeset :not(pre) > code").forEach(keepWords);
     document.querySelectorAll(".md-typeset .language-bash pre > code").forEach(lineSpans);
   }
 
