@@ -1,10 +1,11 @@
 // kvguard docs: layout helpers (mkdocs.yml: extra_javascript). Presentation only.
 (function () {
   // Inline code is split only where a reader expects it: at spaces, and in a long word
-  // (a module:qualname, a path) after . : / ( [ , . A word such as KVGUARD_TARGETS,
+  // (a module:qualname, a path) after . : / ( [ , = (and after the _ of a lower-case
+  // name inside a piece still over 24 characters). A word such as KVGUARD_TARGETS,
   // --report-dir or allow=() stays on one line: each piece between break points is a
   // nowrap span (extra.css), with a <wbr> after it. The text itself is unchanged.
-  var BREAK_AFTER = /([.:/(\[,])(?=[^\s)\]])/;
+  var BREAK_AFTER = /([.:/(\[,=])(?=[^\s)\]])/;
   var LONG = 24;
 
   function keepWords(code) {
@@ -20,7 +21,14 @@
       var pieces = word.length > LONG ? word.split(new RegExp(BREAK_AFTER.source, "g")) : [word];
       // split() with a capture group alternates piece, separator, piece, ...
       var joined = [];
-      for (var i = 0; i < pieces.length; i += 2) joined.push(pieces[i] + (pieces[i + 1] || ""));
+      for (var i = 0; i < pieces.length; i += 2) {
+        var piece = pieces[i] + (pieces[i + 1] || "");
+        // a piece still longer than that (compute_rollout_correction_and_add_to_batch) may
+        // break after an underscore between lower-case words too (never KVGUARD_TARGETS),
+        // so that a table keeps to the page's width
+        if (piece.length > LONG) joined.push.apply(joined, piece.split(/(?<=[a-z0-9]_)(?=[a-z])/));
+        else joined.push(piece);
+      }
       joined.forEach(function (piece, j) {
         if (!piece) return;
         var span = document.createElement("span");
