@@ -99,7 +99,7 @@ def test_a_misspelled_submodule_is_named(tmp_path: Path) -> None:
     (tmp_path / "fakerl" / "loss.py").write_text("def compute(rollout_data):\n    pass\n")
     (tmp_path / "job.py").write_text("import fakerl.loss\nfakerl.loss.compute({})\n")
     result = run("job.py", cwd=tmp_path, env={"KVGUARD": "warn", "KVGUARD_TARGETS": "fakerl.los:compute(rollout_data)"})
-    assert result.stderr == ("kvguard: 0 guarded calls, no in-place writes\n"
+    assert result.stderr == ("kvguard: 0 guarded calls, so no write was checked\n"
                              "kvguard: target fakerl.los:compute was never imported (no module named 'fakerl.los')\n")
 
 
@@ -175,7 +175,7 @@ def test_a_target_in_the_main_script_says_so(tmp_path: Path) -> None:
     (tmp_path / "job.py").write_text("def compute(rollout_data):\n    pass\n\ncompute({})\n")
     result = run("job.py", cwd=tmp_path, env={"KVGUARD": "warn", "KVGUARD_TARGETS": "job:compute(rollout_data)"})
     assert result.stderr == (
-        "kvguard: 0 guarded calls, no in-place writes\n"
+        "kvguard: 0 guarded calls, so no write was checked\n"
         "kvguard: target job:compute was never imported (job.py ran as the main script, __main__, and "
         "kvguard guards modules as they are imported: import it from a small launcher script)\n")
 

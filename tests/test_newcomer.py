@@ -60,7 +60,7 @@ def test_a_misspelt_function_or_argument_is_named_in_the_last_lines(tmp_path: Pa
     spelled = targets.split(",")
     assert result.stderr.splitlines() == [
         *(f"kvguard: cannot guard {target}: {reason}" for target, reason in zip(spelled, why)),  # at import
-        "kvguard: 0 guarded calls, no in-place writes",
+        "kvguard: 0 guarded calls, so no write was checked",
         *(f"kvguard: target {target} was not guarded: {reason}" for target, reason in zip(spelled, why)),
     ]
 

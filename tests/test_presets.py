@@ -443,7 +443,7 @@ def test_a_framework_not_imported_or_not_running_here_is_one_line_per_preset(tmp
                                            "KVGUARD_TARGETS": "slime,verl,nemo-rl,myrl.loss:f(rollout_data)"})
     assert result.returncode == 0 and result.stdout == "job done\n"
     assert result.stderr.splitlines() == [
-        "kvguard: 0 guarded calls, no in-place writes",
+        "kvguard: 0 guarded calls, so no write was checked",
         "kvguard: preset slime guarded nothing here: this process imported slime but not "
         "slime.backends.megatron_utils.loss, slime.backends.megatron_utils.data, where its functions are "
         "(they run in another process?)",

@@ -185,8 +185,8 @@ class Tally:
         """
         who = f"kvguard [{tag}]" if tag else "kvguard"
         active = [(label, stats) for label, stats in self.targets.items() if stats.active]
-        if not active:
-            return [f"{who}: {_head(TargetStats(), {}, calls)}"]
+        if not active:  # never "no in-place writes": nothing was looked at (the lines after it say why)
+            return [f"{who}: 0 guarded calls, so no write was checked"]
         lines = []
         for label, stats in active:
             lines.append(f"{who}: {display_label(label)}: {_head(stats, stats.sites, calls, label)}")
