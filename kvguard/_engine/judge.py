@@ -131,7 +131,9 @@ class WriteJudge:
         site = _frames.user_site()
         capturing = _torch.capturing()  # no copy, digest or value read: each would break the user's capture
         counter_only = protected.counter_only  # saved tensors whose version counter alone it bumps
-        aliased = _aliased(protected, hit, written) if facts.kind == "write" else {}
+        # Each written entry's tensor, read once before the op (a weak reference may die at any read).
+        tensors = {id(e): protected.tensor_of(e) for e in hit} if facts.kind == "write" else {}
+        aliased = _aliased(hit, tensors, written) if facts.kind == "write" else {}
         drifted = protected.drifted(hit) if not capturing else []
         for entry in drifted:  # changed since the last look, by nothing we saw:
             self.on_event(unobserved_event(entry, protected.tensor_of(entry), site, DRIFT_DIFF,
@@ -149,7 +151,7 @@ class WriteJudge:
         if facts.kind == "write" and not capturing:
             windows = _torch.write_windows(written)
             for entry in (e for e in hit if id(e) not in counter_only):
-                tensor = protected.tensor_of(entry)
+                tensor = tensors[id(entry)]
                 if tensor is not None:
                     ranges = _torch.flat_ranges(tensor, windows)
                     copies[id(entry)] = (_diff.snapshot(tensor, ranges), ranges)
@@ -344,14 +346,15 @@ def _kind(facts: _torch.OpFacts, entry: Entry, counter_only: frozenset[int],
     return "alias" if id(entry) in aliased else facts.kind
 
 
-def _aliased(protected: ProtectedSet, hit: list[Entry], written: Sequence[torch.Tensor]) -> dict[int, tuple[int, int]]:
+def _aliased(hit: list[Entry], tensors: dict[int, Optional[torch.Tensor]],
+             written: Sequence[torch.Tensor]) -> dict[int, tuple[int, int]]:
     """The entries whose elements share memory (an `expand`ed tensor) that this write changes
     in more logical elements than it names: (changed, named) by entry id."""
     found: dict[int, tuple[int, int]] = {}
     if _torch.capturing():  # counting reads values back: it would break the capture
         return found
     for entry in hit:
-        tensor = protected.tensor_of(entry)
+        tensor = tensors[id(entry)]
         if tensor is not None and _torch.shares_elements(tensor):
             count = _torch.aliased_count(tensor, written)
             if count is not None and count[0] > count[1]:
