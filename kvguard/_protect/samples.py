@@ -12,16 +12,15 @@ first sample that returned it (`GPTDataset[3]['loss_mask']`).
 from __future__ import annotations
 
 import numbers
-import types
 import weakref
 from typing import Any, Optional
 
 import torch
 
 from kvguard._protect import tree as _tree
-from kvguard._protect.collector import collector_paused
 from kvguard._protect.entries import Entry
-from kvguard._protect.protected import ProtectedSet
+from kvguard._protect.queued import QueuedSet
+from kvguard._protect.records import Record
 
 
 class _Returned(weakref.ref):  # type: ignore[type-arg]
@@ -38,14 +37,13 @@ class _Returned(weakref.ref):  # type: ignore[type-arg]
         self.placed = placed
 
 
-class SampleSet(ProtectedSet):
+class SampleSet(QueuedSet):
     """The tensors datasets returned while the guard was active, protected while they live."""
 
     def __init__(self, name: str) -> None:
-        self._pending: list[_Returned] = []  # returned, not protected yet (the watched container)
-        self._queued: set[int] = set()  # ids of the tensors in `_pending`
+        self._queued: set[int] = set()  # ids of the tensors waiting in `_pending` (returned, not protected yet)
         self.samples = 0  # samples returned (a batch from `__getitems__` counts each)
-        super().__init__(self._pending, name, None, (), fingerprint=False)
+        super().__init__(name)
 
     def returned(self, path: str, sample: Any, placed: Optional[str]) -> None:
         """`sample` was just returned as `path` (`GPTDataset[3]`): protect its tensors from now on."""
@@ -60,42 +58,12 @@ class SampleSet(ProtectedSet):
             self._pending.append(_Returned(tensor, self._on_death, leaf.path, placed))
             self.protected_count += 1  # protected from now: a write looks at what waits first
 
-    def look(self) -> None:
-        if self._pending:
-            self._flush()
-        elif self._dirty:
-            self._forget_dead()
+    def _entry(self, ref: Any, tensor: torch.Tensor, record: Record) -> Entry:
+        return Entry(ref.path, record, ref, ref.placed)
 
     def _flush(self) -> None:
-        if self._dirty:
-            self._forget_dead()
-        with collector_paused():
-            live = [(ref, tensor) for ref in self._pending if (tensor := ref()) is not None]
-            self._pending.clear()  # the watch compares it with an empty snapshot again
-            self._queued.clear()
-            records = self._records_of([tensor for _, tensor in live])
-            added = []
-            for (ref, tensor), record in zip(live, records):
-                entry = self._entries[id(tensor)] = Entry(ref.path, record, ref, ref.placed)
-                added.append(entry)
-            del live
-            self._memory.invalidate()
-            self._rebuild_index(added)
-
-    def _scan_now(self, frames: Optional[list[Any]]) -> None:
-        self._dirty = False
-        if not self._watcher.watching:
-            self._watcher.walk_all()  # the pending list, empty: what the write hook compares
-        if self._pending:
-            self._flush()
-        if self._drop_dead():
-            self._rebuild_index()
-
-    def boundary_changes(self, caller: Optional[types.FrameType], rescan: bool = True) -> list[Any]:
-        """Nothing to compare at a boundary (no fingerprints: a sample's values are its writes' to
-        tell); protects what waits and forgets the dead."""
-        self.look()
-        return []
+        self._queued.clear()
+        super()._flush()
 
     def settle(self) -> None:
         """A sample's path is fixed when it is returned: nothing moves it."""

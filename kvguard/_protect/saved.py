@@ -32,9 +32,8 @@ import torch
 
 from kvguard import _torch
 from kvguard._protect import frames as _frames
-from kvguard._protect.collector import collector_paused
 from kvguard._protect.entries import Entry
-from kvguard._protect.protected import ProtectedSet
+from kvguard._protect.queued import QueuedSet
 from kvguard._report.events import SAVED_PREFIX
 
 FLUSH_EVERY = 256  # saved tensors waiting for the next look at most (a forward with no write op)
@@ -178,7 +177,7 @@ class _TensorOf(weakref.ref):  # type: ignore[type-arg]
         return super().__call__()
 
 
-class SavedSet(ProtectedSet):
+class SavedSet(QueuedSet):
     """The tensors autograd saved while the guard's hooks were installed, as protected entries.
 
     `pack` and `unpack` are the hooks. Packs wait in a list the write hook watches like a
@@ -190,9 +189,9 @@ class SavedSet(ProtectedSet):
     judges_uncounted = False
 
     def __init__(self, name: str, fingerprint: bool = False) -> None:
-        # Packs not protected yet, held weakly: a backward that runs before the next look frees
-        # what it read as it goes, as it would without kvguard (the peak memory stays autograd's).
-        self._pending: list[Any] = []  # `_TensorOf`s, and `_Lent`s under composed hooks
+        # Packs wait in `_pending` (`_TensorOf`s, and `_Lent`s under composed hooks), held weakly: a
+        # backward that runs before the next look frees what it read as it goes, as it would without
+        # kvguard (the peak memory stays autograd's).
         self._roots: collections.deque[weakref.ref[torch.Tensor]] = collections.deque(maxlen=_ROOTS)
         self._thread = threading.get_ident()
         self.counter_only: frozenset[int] = frozenset()
@@ -203,7 +202,7 @@ class SavedSet(ProtectedSet):
         self._backward_since_pack = True
         self.unprotected = 0  # other hooks' stretches not composed with ours, and tensors a composed pack could not hold
         self.closed = False
-        super().__init__(self._pending, name, None, (), fingerprint=fingerprint)
+        super().__init__(name, fingerprint=fingerprint)
 
     # -- the hooks -------------------------------------------------------------------
 
@@ -295,48 +294,16 @@ class SavedSet(ProtectedSet):
 
     # -- entries ---------------------------------------------------------------------
 
-    def look(self) -> None:
-        if self._pending:
-            self._flush()  # which forgets the dead first
-        elif self._dirty:
-            self._forget_dead()
-
-    def _flush(self) -> None:
-        if self._dirty:  # forget the dead first: entries of freed graphs never pile up
-            self._forget_dead()
-        with collector_paused():  # a batch of new objects: no collection over the whole heap midway
-            live = [(ref, tensor) for ref in self._pending if (tensor := ref()) is not None]
-            self._pending.clear()  # the watch compares it with an empty snapshot again
-            records = self._records_of([tensor for _, tensor in live])
-            entries = self._entries
-            added = []
-            for (ref, tensor), record in zip(live, records):
-                info = ref.saved()
-                site = info.site if info is not None else None
-                entry = entries[id(tensor)] = Entry(_UNNAMED, record, ref,
-                                                    _site_text(site) if site is not None else None)
-                added.append(entry)
-            del live
-            # The lookup index is built when Python is next asked about a write (rarely, for what
-            # autograd saved); the write hook learns the new memory now.
-            self._memory.invalidate()
-            self._rebuild_index(added)
-
-    def _scan_now(self, frames: Optional[list[Any]]) -> None:
-        self._dirty = False
-        if not self._watcher.watching:
-            self._watcher.walk_all()  # the pending list, empty: what the write hook compares
-        if self._pending:
-            self._flush()
-        if self._drop_dead():
-            self._rebuild_index()
+    def _entry(self, ref: Any, tensor: torch.Tensor, record: Any) -> Entry:
+        info = ref.saved()
+        site = info.site if info is not None else None
+        return Entry(_UNNAMED, record, ref, _site_text(site) if site is not None else None)
 
     def boundary_changes(self, caller: Optional[types.FrameType], rescan: bool = True) -> list[Any]:
         """Nothing to compare at a boundary: fingerprints are off (a saved tensor's values are the
         version counter's to vouch for, checked at unpack), and no code of the user's holds
         the saved (detached) tensor objects to re-point them. Protects what waits, forgets the dead."""
-        self.look()
-        return []
+        return super().boundary_changes(caller, rescan)
 
     def settle(self) -> None:
         """Paths are named when a write hits (`written_entries`); nothing else moves them."""
