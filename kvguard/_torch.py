@@ -252,6 +252,10 @@ def spans(t: torch.Tensor) -> list[Span]:
         start = t.data_ptr()
         if start == 0:  # some empty tensors
             return []
+        if type(t) not in PLAIN and start == t.storage_offset() * t.element_size():
+            # A wrapper subclass (`_make_wrapper_subclass`: LoggingTensor, FakeTensor-like) has a
+            # storage with no memory, and `data_ptr()` is its offset alone: not an address.
+            return []
         if t.is_contiguous():
             nbytes = t.nbytes
             return [Span(t.device, start, start + nbytes, True)] if nbytes else []
