@@ -811,7 +811,11 @@ def _set_data(self: torch.Tensor, value: torch.Tensor) -> None:
             after(assigned)
 
 
-_DATA_PROPERTY = property(_DATA.__get__, _set_data, doc=_DATA.__doc__)
+def _delete_data(self: torch.Tensor) -> None:
+    _DATA.__delete__(self)  # torch refuses: RuntimeError("Deleting tensor data is not allowed...")
+
+
+_DATA_PROPERTY = property(_DATA.__get__, _set_data, _delete_data, doc=_DATA.__doc__)
 
 
 def data_is_watched() -> bool:

@@ -136,6 +136,18 @@ def test_the_property_is_there_only_while_a_full_guard_is() -> None:
     assert torch.equal(x, torch.zeros(2)) and not g.report.events
 
 
+def test_deleting_data_is_refused_as_torch_refuses_it() -> None:
+    """PyTorch's test_attribute_deletion: `del x.data` raises torch's RuntimeError with the
+    property in place too (it had no deleter: AttributeError), and `x.data = None` TypeError."""
+    x = torch.randn(5, 5, requires_grad=True)
+    with kvguard.guard({"x": torch.ones(1)}, name="x", action="raise"):
+        assert _torch.data_is_watched()
+        with pytest.raises(RuntimeError, match="Deleting tensor data is not allowed"):
+            del x.data
+        with pytest.raises(TypeError):
+            x.data = None  # type: ignore[assignment]
+
+
 def test_the_getter_is_torchs_own() -> None:
     p = torch.nn.Parameter(torch.ones(2))
     with kvguard.guard({"p": p}, name="m", action="raise"):
