@@ -5,6 +5,9 @@
         exit status 0: every run clean; 1: events; 2: no run found (or only malformed input)
     python -m kvguard presets [NAME ...]
         the presets KVGUARD_TARGETS accepts (slime, verl, ...): what each guards, its source and why
+    python -m kvguard intended
+        the writes let through with no setting (peft's LoRA merge, trl's reference sync, gradcheck, ...):
+        library, versions, functions, what they write and why, and whether each applies here
     python -m kvguard build [--rebuild] [--verbose]
         build (or find) the compiled write hook for the installed torch; exit status 1: it cannot be had
     python -m kvguard engines
@@ -55,6 +58,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     presets = sub.add_parser("presets", help="list the presets KVGUARD_TARGETS accepts and what each guards")
     presets.add_argument("names", nargs="*", metavar="NAME", help="only these presets")
 
+    sub.add_parser("intended", help="list the well-known intended writers (peft's LoRA merge, trl's reference "
+                                    "model sync, ...) whose writes the weights and autograd guards let through")
+
     build = sub.add_parser("build", help="build (or find) the compiled write hook for the installed torch, "
                                          "ahead of the first guard")
     build.add_argument("--rebuild", action="store_true",
@@ -89,6 +95,11 @@ def _command(opts: Any) -> int:
         from kvguard._presets import describe
 
         print(describe(opts.names))
+        return 0
+    if opts.command == "intended":
+        from kvguard._intended import describe as describe_intended
+
+        print(describe_intended())
         return 0
     if opts.command == "build":
         return _build_command(opts)

@@ -19,7 +19,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "kvguard"
 # after its own, never one before. The package itself (`kvguard`, its public names) and
 # `kvguard.__main__` sit above them all; the top-level leaves below them all.
 ROOMS = ("_activate", "_guard", "_engine", "_protect", "_native", "_report")
-LEAVES = ("_errors", "_text", "_paths", "_config", "_ranks", "_state", "_targets", "_presets", "_torch")  # import no room
+LEAVES = ("_errors", "_text", "_paths", "_config", "_ranks", "_state", "_targets", "_presets", "_intended",
+          "_torch")  # import no room
 # Names that installed environments call (older `.pth` lines, pytest11 entry points): each
 # re-exports its room's module, so it sits with the package, above every room.
 SHIMS = ("_startup", "_pytest_plugin", "_pytest_off")

@@ -13,8 +13,9 @@ import contextvars
 import re
 import sys
 import types
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
+from kvguard import _intended
 from kvguard._errors import ConfigError
 from kvguard._paths import check_pattern, matcher
 
@@ -75,11 +76,14 @@ class Allowlist:
     A pattern also covers everything below it: `rollout_data['advantages']` allows
     `rollout_data['advantages'][3]`. A scope names a function as a target does, without
     the argument (`myrl.sync:WeightSyncer.push`), and is found on the writing op's stack.
+    `intended`: the well-known intended writers the guard applies with no setting
+    (`kvguard._intended`), found on the stack the same way, after the user's own.
     """
 
-    def __init__(self, patterns: Iterable[str], source: str) -> None:
+    def __init__(self, patterns: Iterable[str], source: str, intended: Sequence[_intended.Writer] = ()) -> None:
         if isinstance(patterns, str):
             patterns = (patterns,)
+        self.intended = tuple(intended)
         self.patterns = tuple(check_pattern(p, source) for p in patterns)
         self._compiled = [(p, matcher(p)) for p in self.patterns if not _SCOPE.match(p)]
         self._scopes = [(p, m.group(1), m.group(2)) for p in self.patterns if (m := _SCOPE.match(p))]
@@ -101,7 +105,8 @@ class Allowlist:
         for pattern, module, qualname in self._scopes:
             if _running(module, qualname, sys._getframe(1)):
                 return f"allow={pattern}"
-        return None
+        writer = _intended.running(self.intended, sys._getframe(1)) if self.intended else None
+        return f"intended writer {writer.name}" if writer is not None else None
 
 
     def never_matching(self, path: str, name: str, said: set[str]) -> Optional[str]:

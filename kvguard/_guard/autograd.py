@@ -21,23 +21,18 @@ from kvguard._report.tally import AUTOGRAD_LABEL
 from kvguard._text import plural
 
 
-# Writes to saved tensors that torch makes on purpose and undoes before backward reads them:
-# allowed with no setting (counted under the pattern, like a user's allow=), as data.
-INTENDED_WRITERS = (
-    # gradcheck / gradgradcheck perturb each input element in place (through `.data`) while
-    # the analytical graph is alive, and copy the original back (torch 2.0 - 2.13 at least).
-    "torch.autograd.gradcheck:_compute_numerical_gradient",
-)
-
-
 class AutogradGuard(Guard):
     """A guard over every tensor saved for backward while it is active. Use `guard_autograd()`."""
+
+    # Writes torch makes on purpose and undoes before backward reads them (gradcheck's
+    # perturbation): allowed with no setting, as data in `kvguard._intended`.
+    intended_for = "autograd"
 
     def __init__(self, *, name: Optional[str] = None, action: Optional[str] = "raise",
                  allow: Optional[Collection[str]] = None, report_dir: Optional[str | os.PathLike[str]] = None,
                  target: Optional[str] = None) -> None:
         allow = [allow] if isinstance(allow, str) else list(allow or ())
-        super().__init__([], name=name or "autograd", action=action, allow=[*allow, *INTENDED_WRITERS],
+        super().__init__([], name=name or "autograd", action=action, allow=allow,
                          report_dir=report_dir, target=target, level="full", fingerprint=False)
         self.delegated = False  # other saved-tensor hooks were active: nothing protected
         self._account.label = AUTOGRAD_LABEL  # counted as `autograd`, from code or KVGUARD_TARGETS

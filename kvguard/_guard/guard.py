@@ -39,13 +39,16 @@ class Guard:
     happened. A guard can be entered once.
     """
 
+    # Whose well-known intended writers (`kvguard._intended`) it lets through: "weights", "autograd".
+    intended_for: Optional[str] = None
+
     def __init__(self, obj: Any, *, name: Optional[str] = None, action: Optional[str] = "raise",
                  keys: Optional[Collection[Any]] = None, ignore: Optional[Collection[Any]] = None,
                  allow: Optional[Collection[str]] = None, report_dir: Optional[str | os.PathLike[str]] = None,
                  target: Optional[str] = None, level: Optional[str] = None,
                  fingerprint: Optional[bool] = None) -> None:
         # Each option not given (None) is the `KVGUARD_*` setting, else the built-in default.
-        self.options = _options.resolve(action, level, fingerprint, keys, ignore, allow, target)
+        self.options = _options.resolve(action, level, fingerprint, keys, ignore, allow, target, self.intended_for)
         check_target(obj)
         self.obj = obj
         self.name = name if name is not None else caller_name(obj)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Collection, Optional
 
+from kvguard import _intended
 from kvguard._config import DEFAULT_MAX_EVENTS, GuardDefaults, check_action, guard_defaults, parse_level
 from kvguard._errors import ConfigError
 from kvguard._guard.allow import Allowlist
@@ -29,8 +30,9 @@ class Options:
 
 def resolve(action: Optional[str], level: Optional[str], fingerprint: Optional[bool],
             keys: Optional[Collection[Any]], ignore: Optional[Collection[Any]],
-            allow: Optional[Collection[str]], target: Optional[str]) -> Options:
-    """The options of a new guard (`target`: the env target it guards, if any)."""
+            allow: Optional[Collection[str]], target: Optional[str], intended_for: Optional[str] = None) -> Options:
+    """The options of a new guard (`target`: the env target it guards, if any; `intended_for`: the
+    target whose well-known intended writers it lets through, `kvguard._intended`)."""
     settings = _settings_for(target)
     checked_action = check_action("raise" if action is None else action, "kvguard.guard(action=...)")
     checked_level = parse_level(level, "kvguard.guard(level=...)") if level is not None else settings.level or "full"
@@ -49,7 +51,7 @@ def resolve(action: Optional[str], level: Optional[str], fingerprint: Optional[b
     return Options(checked_action, checked_level, fingerprints,
                    _as_keys(keys if keys is not None else settings.keys, "keys"), keys_from,
                    _as_keys(ignore if ignore is not None else settings.ignore or (), "ignore") or (),
-                   Allowlist(allowed, allow_from), keep)
+                   Allowlist(allowed, allow_from, _intended.scopes(intended_for) if intended_for else ()), keep)
 
 
 def _as_keys(keys: Any, what: str) -> Optional[tuple[Any, ...]]:
