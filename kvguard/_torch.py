@@ -85,6 +85,11 @@ class OpFacts(NamedTuple):
     self_only: bool = False  # writes exactly its first positional `Tensor` argument
     resizes: bool = False  # an `out=` op: it may resize (and so write) an empty argument
     uncounted: bool = False  # writes arguments its schema does not mark: no version counter sees those
+    # Indexes into `written` of the arguments it writes but returns no alias of (`rrelu_with_noise_`'s
+    # noise, `_amp_update_scale_`'s growth tracker): autograd bumps the version of what an op returns
+    # only, so no version counter sees these writes either. Only where every written argument is
+    # one plain `Tensor`, so the indexes are those of `written_tensors`.
+    unreturned: tuple[int, ...] = ()
 
 
 NO_WRITES = OpFacts((), "write")
@@ -137,7 +142,23 @@ def _learn(func: Any) -> OpFacts:
     resizes = any(a.kwarg_only for a in written)  # `out=` arguments are keyword-only
     functional = (getattr(func, "namespace", "") == "aten" and not base_name.endswith("_") and not resizes
                   and not _INPLACE_OR_OUT_TAGS & set(getattr(func, "tags", ())))
-    return OpFacts(written, kind, self_only, resizes, undeclared is not None or (functional and kind == "write"))
+    return OpFacts(written, kind, self_only, resizes, undeclared is not None or (functional and kind == "write"),
+                   _unreturned(schema, written) if undeclared is None and kind == "write" else ())
+
+
+def _unreturned(schema: Any, written: tuple[WrittenArg, ...]) -> tuple[int, ...]:
+    """The indexes into `written` of the arguments no return aliases, in an op that returns some of
+    the others (a mix: `rrelu_with_noise_`); () otherwise."""
+    returned: set[str] = set()
+    for ret in schema.returns:
+        if ret.alias_info is not None:
+            returned.update(ret.alias_info.before_set)
+    infos = [schema.arguments[arg.position] for arg in written]
+    if any(arg.when is not None for arg in written) or any(str(a.type) != "Tensor" or a.alias_info is None
+                                                           for a in infos):
+        return ()
+    unreturned = tuple(i for i, a in enumerate(infos) if not returned & set(a.alias_info.before_set))
+    return unreturned if len(unreturned) < len(written) else ()
 
 
 # `Tag.inplace` is newer than torch 2.11; the name and keyword-only `out=` tell the rest.

@@ -122,8 +122,11 @@ class WriteJudge:
         no write). Engines call it through `judge_all`.
         """
         protected = self.protected
-        if facts.uncounted and not protected.judges_uncounted:
-            return None
+        if not protected.judges_uncounted:
+            if facts.uncounted:
+                return None
+            if facts.unreturned and len(written) == len(facts.written):  # writes no version counter sees
+                written = [t for i, t in enumerate(written) if i not in facts.unreturned]
         hit = protected.written_entries(written, facts.kind, facts.resizes)
         if not hit or (func is _COPY and is_self_copy(args)):
             return None
