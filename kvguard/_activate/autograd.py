@@ -38,9 +38,4 @@ def stop() -> None:
     from kvguard._activate.process_guards import leave
 
     guard, STATE.autograd = STATE.autograd, None
-    leave(guard, "autograd guard")
-    unprotected: int = getattr(guard, "unprotected", 0) if guard is not None else 0
-    if unprotected:  # said with the summary: never counted as clean
-        from kvguard._guard.autograd import unprotected_text
-
-        say(f"kvguard: autograd: {unprotected_text(unprotected)}")
+    leave(guard, "autograd guard")  # what it left unprotected ends its summary line (`tally.unprotected_text`)

@@ -17,7 +17,7 @@ from typing import Any, Collection, Literal, Optional
 
 from kvguard._errors import GuardWarning
 from kvguard._guard.guard import Guard
-from kvguard._report.tally import AUTOGRAD_LABEL
+from kvguard._report.tally import AUTOGRAD_LABEL, unprotected_text
 from kvguard._text import plural
 
 
@@ -101,10 +101,6 @@ class AutogradGuard(Guard):
         return super().__repr__().replace("kvguard.guard ", "kvguard.guard_autograd ", 1)
 
 
-def unprotected_text(count: int) -> str:
-    """What a guard could not protect, for its warning and the exit line."""
-    return (f"{count:,} unprotected under other saved-tensor hooks (stretches of hooks torch.compile inlines, or "
-            "saved tensors kvguard could not hold): what they saved was not looked at")
 
 
 def guard_autograd(*, action: str = "raise", name: Optional[str] = None, allow: Optional[Collection[str]] = None,

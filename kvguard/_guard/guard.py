@@ -180,7 +180,8 @@ class Guard:
             self.keys_seen = frozenset(self._protected.keys_seen)
             self.protected_count = self._protected.protected_count
             self.not_run = self._not_run_reason(exc_type, unobserved)
-            self._account.close(self.protected_count, self.not_run, self._protected.graphs, self._protected.steps)
+            self._account.close(self.protected_count, self.not_run, self._protected.graphs, self._protected.steps,
+                                getattr(self._protected, "unprotected", 0))
             self._protected.close()
             self._protected = self._attachment = None
             self.obj = None

@@ -45,13 +45,16 @@ class CallAccount:
         for tally in self._tallies:
             tally.allow(reason, self.label)
 
-    def close(self, protected: int, not_run: Optional[str], graphs: int = 0, steps: int = 0) -> None:
+    def close(self, protected: int, not_run: Optional[str], graphs: int = 0, steps: int = 0,
+              unprotected: int = 0) -> None:
         """The call is done: it protected `protected` tensors (saved in `graphs` forward passes, for
-        `guard_autograd`), or did not run here (`not_run`, why)."""
+        `guard_autograd`, which left `unprotected` stretches or tensors unprotected), or did not run
+        here (`not_run`, why)."""
         for tally in self._tallies:
             if not_run is None:
                 tally.target(self.label).protected += protected
                 tally.target(self.label).graphs += graphs
                 tally.target(self.label).steps += steps
+                tally.target(self.label).unprotected += unprotected
             else:
                 tally.not_run_call(self.label, not_run)

@@ -39,6 +39,9 @@ class MutationEvent:
     aliases: tuple[str, ...] = ()  # other paths to the same tensor
     detached: bool = False  # removed from (or replaced in) the guarded object before the write
     hint: str = ""  # the fix, for a write stopped before it ran (empty: the general one, `HINT`)
+    # For a change no op showed: when it was found, in the user's words ("at optimizer step 3, before
+    # it ran"); empty: by a boundary check (guard exit, `g.check()`)
+    found: str = ""
 
     @property
     def site(self) -> str:
@@ -48,6 +51,8 @@ class MutationEvent:
     def headline(self) -> str:
         """One sentence naming who, what and where."""
         if self.kind == "unobserved":
+            if self.found:
+                return f"{self.path} changed, but no dispatched op wrote it (found {self.found}, {self.site})"
             return (
                 f"{self.path} changed during the guard, but no dispatched op wrote it "
                 f"(found by a boundary check, at guard exit or g.check(), {self.site})"

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional
 
 from kvguard._paths import collapse
 from kvguard._report.files import FILE_PREFIX, SCHEMA
-from kvguard._report.tally import short_site
+from kvguard._report.tally import short_site, unprotected_text
 from kvguard._text import plural
 
 Record = dict[str, Any]
@@ -125,13 +125,16 @@ def describe(run: Run, by: str = "site") -> dict[str, Any]:
     disagreements = [line for p in processes if p.summary is not None for line in _disagreements(p)]
     protected = sum(_count(s.get("protected")) for s in summaries)
     unprotected = [p for p in processes if p.summary is not None and _protected_nothing(p.summary)]
+    unlooked = [p for p in processes if p.summary is not None and _count(p.summary.get("unprotected"))]
     status = ("events" if writes or disagreements else
-              "unproven" if incomplete or not calls or unprotected else "clean")
+              "unproven" if incomplete or not calls or unprotected or unlooked else "clean")
     notes = [f"{_process_name(p)} wrote no summary record (killed, or still running): its counts are those of its "
              "event records" for p in incomplete]
     notes += disagreements
     notes += [f"{_process_name(p)} made {plural(p.summary['calls'], 'guarded call')} that protected no tensor: "
               "nothing was checked" for p in unprotected if p.summary is not None]
+    notes += [f"{_process_name(p)}: {unprotected_text(_count(p.summary.get('unprotected')))}"
+              for p in unlooked if p.summary is not None]
     cut = sum(_count(s.get("events_cut")) for s in summaries)
     if cut:
         notes.append(f"{plural(cut, 'event')} past KVGUARD_MAX_EVENTS are counted above but not in the files")
@@ -198,8 +201,8 @@ def _target_rows(summaries: list[Record]) -> list[dict[str, Any]]:
             if not isinstance(stats, dict):
                 continue
             row = rows.setdefault(str(label), {"target": str(label), "calls": 0, "protected": 0, "writes": 0,
-                                               "graphs": 0, "steps": 0})
-            for name in ("calls", "protected", "writes", "graphs", "steps"):
+                                               "graphs": 0, "steps": 0, "unprotected": 0})
+            for name in ("calls", "protected", "writes", "graphs", "steps", "unprotected"):
                 if row[name] is not None:
                     row[name] += _count(stats.get(name))
             if "writes" not in stats:  # written by kvguard 0.2: per-target writes unknown

@@ -93,7 +93,10 @@ def _target_line(row: dict[str, Any]) -> str:
         line = f"{row['target']}: " + watched(row["target"], row["protected"], row.get("graphs") or 0,
                                               row.get("steps") or 0)
         if row["writes"] is not None:
-            line += f", {plural(row['writes'], 'write')}" if row["writes"] else ", no in-place writes"
+            line += (f", {plural(row['writes'], 'write')}" if row["writes"] else
+                     ", no in-place writes to them" if row.get("unprotected") else ", no in-place writes")
+        if row.get("unprotected"):  # never said clean: some of what autograd saved was not looked at
+            line += f"; {row['unprotected']:,} unprotected under other saved-tensor hooks: not looked at"
         return line
     line = f"{display_label(row['target'])}: {plural(row['calls'], 'guarded call')}"
     if row["calls"]:

@@ -31,6 +31,9 @@ class TargetStats:
         self.protected = 0  # tensors protected over all calls
         self.graphs = 0  # forward passes that saved tensors (`guard_autograd` only)
         self.steps = 0  # optimizer steps (KVGUARD_TARGETS=weights only)
+        # stretches under other saved-tensor hooks that `guard_autograd` left unprotected, and saved
+        # tensors it could not hold: what they saved was not looked at
+        self.unprotected = 0
         self.keys_seen: set[Any] = set()  # top-level keys the argument held
         self.not_run: dict[str, int] = {}  # calls that did not run in this process, by reason
         self.sites: dict[SiteKey, SiteStats] = {}  # the writes of this target's calls, per site
@@ -49,7 +52,7 @@ class TargetStats:
         return {"calls": self.calls, "unguarded_calls": self.unguarded_calls,
                 "unguardable_calls": sum(self.unguardable.values()), "protected": self.protected,
                 "not_run_calls": sum(self.not_run.values()), "writes": self.writes, "graphs": self.graphs,
-                "steps": self.steps}
+                "steps": self.steps, "unprotected": self.unprotected}
 
 
 class SiteStats:
@@ -202,6 +205,7 @@ class Tally:
         """The counts as plain JSON values, for a summary record."""
         return {"calls": self.calls, "unguarded_calls": self.unguarded_calls,
                 "protected": sum(t.protected for t in self.targets.values()),
+                "unprotected": sum(t.unprotected for t in self.targets.values()),
                 "targets": {label: t.as_record() for label, t in self.targets.items()},
                 "writes": self.writes, "blocked": sum(s.blocked for s in self.sites.values()),
                 "sites": [s.as_record() for s in self.sites.values()], "allowed": dict(self.allowed),
@@ -230,16 +234,24 @@ def watched(label: str, protected: int, graphs: int, steps: int) -> str:
             + (f"over {plural(steps, 'optimizer step')}" if steps else "(no optimizer step)"))
 
 
+def unprotected_text(count: int) -> str:
+    """What `guard_autograd` could not protect: said with its exit line, never counted as clean."""
+    return (f"{count:,} unprotected under other saved-tensor hooks (stretches of hooks torch.compile inlines, or "
+            "saved tensors kvguard could not hold): what they saved was not looked at")
+
+
 def _head(stats: TargetStats, sites: dict[SiteKey, SiteStats], calls: Optional[str], label: str = "") -> str:
     """`3 guarded calls (…left unguarded…), 2 calls not run here (…), 84 tensors protected, 6 writes at 2 sites`;
-    for what autograd saved, `1,204 saved tensors protected in 12 forward passes, no in-place writes`; for
+    for what autograd saved, `1,204 saved tensors protected in 12 forward passes, no in-place writes` (and
+    what it left unprotected at the end, `; 2 unprotected under ...: ... not looked at`); for
     the weights, `148 parameters and buffers watched over 12 optimizer steps, no in-place writes`."""
     if label in PROCESS_LABELS:
         writes = sum(site.writes for site in sites.values())
         return (watched(label, stats.protected, stats.graphs, stats.steps)
                 + (f", {plural(writes, 'write')} at {plural(len(sites), 'site')}" if sites else
-                   ", no in-place writes")
-                + (f", {sum(stats.allowed.values()):,} allowed" if stats.allowed else ""))
+                   ", no in-place writes to them" if stats.unprotected else ", no in-place writes")
+                + (f", {sum(stats.allowed.values()):,} allowed" if stats.allowed else "")
+                + (f"; {unprotected_text(stats.unprotected)}" if stats.unprotected else ""))
     head = plural(stats.calls, "guarded call")
     if stats.unguarded_calls:
         head += f" ({stats.unguarded_calls:,} left unguarded by KVGUARD_CALLS={calls})"
