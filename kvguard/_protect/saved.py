@@ -35,6 +35,7 @@ from kvguard._protect import frames as _frames
 from kvguard._protect.entries import Entry
 from kvguard._protect.queued import QueuedSet
 from kvguard._report.events import SAVED_PREFIX
+from kvguard._text import say
 
 FLUSH_EVERY = 256  # saved tensors waiting for the next look at most (a forward with no write op)
 MAX_WALK = 200_000  # nodes a search for savers visits at most
@@ -211,6 +212,8 @@ class SavedSet(QueuedSet):
             saved = Saved(tensor, _frames.first_user_line(sys._getframe(1)))
         except Exception:  # noqa: BLE001 - never fail the user's forward (a subclass that refuses detach)
             return tensor
+        if type(tensor) is not _TENSOR and not _ATTRIBUTES_SAID:
+            _say_attributes(tensor)
         for target in self._protecting():
             target.adopt(_TensorOf(saved, target._on_death), saved, tensor)
         return saved
@@ -414,6 +417,31 @@ class SavedSet(QueuedSet):
         self._pending.clear()
         self._roots.clear()
         super().close()
+
+
+_TENSOR = torch.Tensor
+_ATTRIBUTES_SAID = False
+ATTRIBUTES_LINE = (
+    "kvguard: autograd: a Parameter saved for backward carries Python attributes ({names}); under "
+    "saved-tensor hooks (this guard's, save_on_cpu, checkpointing) a custom Function's ctx.saved_tensors "
+    "gives a new tensor without them, and one set there never reaches the Parameter (megatron-core's "
+    "gradient_accumulation_fusion with overlap_grad_reduce then fails): docs/autograd.md, "
+    "'ctx.saved_tensors under saved-tensor hooks'")
+
+
+def _say_attributes(tensor: torch.Tensor) -> None:
+    """Say once a process that a saved Parameter has Python attributes that backward's
+    `ctx.saved_tensors` will not carry (inherent to any saved-tensor hooks)."""
+    global _ATTRIBUTES_SAID
+    try:
+        if not isinstance(tensor, torch.nn.Parameter):
+            return
+        names = sorted(k for k in vars(tensor) if not k.startswith("_") or k == "__fsdp_param__")
+    except Exception:  # noqa: BLE001 - a diagnostic only
+        return
+    if names:
+        _ATTRIBUTES_SAID = True
+        say(ATTRIBUTES_LINE.format(names=", ".join(names[:6]) + (", ..." if len(names) > 6 else "")))
 
 
 def _values_of(tensor: torch.Tensor) -> torch.Tensor:
