@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,12 +80,14 @@ QUICK_LEAVES_OUT = {
     "test_undeclared_writes.py::test_subset_finds_no_undeclared_write_missing_from_the_table":
         "a sweep over op_db (tools/sweep_undeclared_writes.py); kept: each entry point of the table",
     "test_autograd.py::test_memory_is_flat_over_many_steps": "1,050 steps; kept: test_a_loop_with_no_write_op_keeps_no_entries_of_freed_graphs",
+    "test_ray.py": "a Ray cluster per test",
     "test_startup.py": "a wheel build and a fresh venv; kept: test_importhook's .pth line and activation",
     "test_pytest_plugin.py::test_no_kvguard_with_every_installed_plugin": "kept: the plugin's off switch in-process",
     # measured costs: timing and memory bounds (a loaded machine fails a timing bound), in
     # processes of their own; the exactness of what they measure is in quick tests
     "test_cost_bounds.py": "timing bounds over 100,000 tensors",
     "test_cliffs.py::test_logits_overlap_costs_no_memory": "memory measured in a fresh process",
+    "test_placements.py::test_a_placement_costs_the_same_late_as_early": "a timing bound over 2,000 placements",
     "test_cliffs.py::test_a_reported_row_write_copies_the_row": "memory measured in a fresh process",
     "test_cliffs.py::test_one_element_written_in_a_64_mb_tensor_copies_one_element": "memory measured in a fresh process",
     "test_cliffs.py::test_a_whole_write_costs_one_copy_plus_bounded_temporaries": "memory measured in a fresh process",
@@ -171,12 +174,37 @@ QUICK_LEAVES_OUT = {
     "test_autograd_activation.py::test_torch_func_runs_under_the_env_var": "a scenario",
     "test_autograd_activation.py::test_record_lets_backward_fail_as_torch_does_with_the_write_named": "a variant of record",
     "test_autograd_activation.py::test_report_files_and_kvguard_report": "kept: test_reports",
+    # real dependencies and scenarios whose behaviour a kept test checks more cheaply
+    "integrations/test_megatron.py::test_one_process_gets_megatron_tags_only_while_initialised":
+        "real megatron-core on gloo (a 10 CPU-second process); kept: the integration's tags and stage checks "
+        "on a stand-in parallel_state (test_megatron_pipeline)",
+    "test_weights_activation.py::test_a_stray_write_between_steps_is_stopped_on_the_env_var_alone":
+        "kept: test_data_assignment's Megatron-Bridge shape (KVGUARD=raise KVGUARD_TARGETS=weights stops a "
+        "stray weight write at its line), test_newcomer's exit lines after a write between steps",
+    "test_weights_trust.py::test_frames_without_dict_are_searched_under_the_env_switch":
+        "kept: test_attributes_of_slotted_and_hostile_objects, and the switch under pytest (pluggy's slotted "
+        "HookCaller among the caller frames)",
+    "test_reports.py::test_fixed_job_leaves_a_header_and_summary_that_prove_it_clean":
+        "kept: test_records_carry_the_schema_and_the_readme_names_every_field (a job's files), "
+        "test_a_consistent_clean_summary_is_clean_and_names_what_it_watched",
+    "test_presets.py::test_nemo_rl_span_writes_through_expanded_advantages_are_caught_where_allowed":
+        "a preset's scenario; kept: test_alias_writes (in-process), the slime preset's run",
 }
 
 
 def _left_out(item: pytest.Item) -> bool:
     rel = item.nodeid.partition("tests/")[2]
-    return any(rel == key or rel.partition("[")[0] == key or rel.partition("::")[0] == key for key in QUICK_LEAVES_OUT)
+    return not QUICK_LEAVES_OUT.keys().isdisjoint((rel, rel.partition("[")[0], rel.partition("::")[0]))
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under the README's command, a module it leaves out whole is not even imported.
+
+    Importing is what collecting costs each worker: Ray's import, a benchmark's.
+    """
+    if config.getoption("markexpr", "") == "not slow" and collection_path.name in QUICK_LEAVES_OUT:
+        return True
+    return None
 
 
 # The fixtures that take an engine as their parameter (`engine` here, and modules' own).

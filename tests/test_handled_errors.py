@@ -14,9 +14,8 @@ import contextlib
 import dis
 import importlib.metadata
 import pickle
-import subprocess
 import sys
-import textwrap
+import traceback
 import types
 import unittest
 import weakref
@@ -435,15 +434,9 @@ def test_the_error_still_pickles_and_prints_as_kvguard_mutation_error() -> None:
             write(rd)
     copy = pickle.loads(pickle.dumps(excinfo.value))
     assert type(copy) is MutationError and copy.event.path == "rd['k']"
-    script = textwrap.dedent("""
-        import torch, kvguard
-        rd = {"k": torch.ones(3)}
-        with kvguard.guard(rd, name="rd"):
-            rd["k"].add_(1)
-    """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 1
-    assert "kvguard.MutationError: rd['k'] would be modified in place by aten.add_.Tensor" in done.stderr
+    # Python prints an uncaught one by its module and name (test_never_crash runs that uncaught).
+    (line,) = traceback.format_exception_only(excinfo.value)
+    assert line.startswith("kvguard.MutationError: rd['k'] would be modified in place by aten.add_.Tensor"), line
 
 
 # -- in a pytest run: pytest.raises around a blocked write -------------------------------------
