@@ -1,0 +1,206 @@
+"""Real libraries under `KVGUARD=raise KVGUARD_TARGETS=autograd,weights`, each job in a fresh process (slow).
+
+timm (a ResNet with batch norm, trained with SGD, with timm's own ModelEmaV2 and
+ModelEmaV3), peft (LoRA on a tiny transformers Llama built from a config, then
+`merge_and_unload()` with and without `safe_merge`) and trl (`SyncRefModelCallback`'s
+reference sync, called as its callback calls it): each runs a few steps with the
+switches on and off; the run with them is clean, and its losses, gradients and weights
+are bitwise those of the run without. Then a bug injected into each is stopped at its
+line. No weights are downloaded. Tested with timm 1.0.31, peft 0.21.2, trl 1.16.0,
+transformers 5.25.0 and torch 2.13.0; each test skips where its library is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+ENV = {"KVGUARD": "raise", "KVGUARD_TARGETS": "autograd,weights", "HF_HUB_OFFLINE": "1"}
+
+# timm imports torchvision. A torchvision built for another torch (the only one some package
+# indexes serve next to a CPU torch) cannot load its kernels, and its import then fails on
+# `register_fake("torchvision::nms")`: the two schemas, defined first, let it import (its
+# kernels are not used here). Where torchvision works this is never reached.
+IMPORT_TIMM = '''
+import sys
+import torch
+try:
+    import torchvision  # noqa: F401
+except Exception:
+    for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
+        del sys.modules[name]
+    _lib = torch.library.Library("torchvision", "DEF")
+    _lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    _lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+import timm
+from timm.utils import ModelEmaV2, ModelEmaV3
+'''
+
+TIMM_JOB = IMPORT_TIMM + '''
+torch.manual_seed(0)
+model = timm.create_model("resnet18", pretrained=False, num_classes=10)
+model.train()
+ema2, ema3 = ModelEmaV2(model, decay=0.9), ModelEmaV3(model, decay=0.9)
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+if BUG:
+    def halve(module, args, out):
+        module.weight.data.mul_(0.5)  # the bug: a forward hook rescales the weight
+    model.bn1.register_forward_hook(halve)
+data = torch.Generator().manual_seed(1)
+losses, grads = [], []
+for step in range(3):
+    x, y = torch.randn(4, 3, 32, 32, generator=data), torch.randint(0, 10, (4,), generator=data)
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    losses.append(loss.detach())
+    grads.append([p.grad.clone() for p in model.parameters()])
+    opt.step()
+    opt.zero_grad()
+    ema2.update(model)
+    ema3.update(model, step=step)
+torch.save({"losses": losses, "grads": grads, "weights": [t.clone() for t in model.state_dict().values()],
+            "ema": [t.clone() for m in (ema2.module, ema3.module) for t in m.state_dict().values()]}, OUT)
+'''
+
+PEFT_JOB = '''
+import torch
+import transformers
+import peft
+torch.manual_seed(0)
+config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+model = peft.get_peft_model(transformers.LlamaForCausalLM(config),
+                            peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+losses, grads = [], []
+for _ in range(3):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    losses.append(loss.detach())
+    grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+    opt.step()
+    opt.zero_grad()
+if BUG:
+    layer = model.base_model.model.model.layers[1].self_attn.q_proj
+    layer.lora_B["default"].weight.data.zero_()  # the bug: resets a trained adapter between steps
+merged = model.merge_and_unload(safe_merge=SAFE)
+torch.save({"losses": losses, "grads": grads, "weights": [t.clone() for t in merged.state_dict().values()]}, OUT)
+'''
+
+TRL_JOB = '''
+import torch
+from accelerate import Accelerator
+from trl.trainer.callbacks import SyncRefModelCallback
+Accelerator(cpu=True)
+torch.manual_seed(0)
+policy = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+ref = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+ref.load_state_dict(policy.state_dict())  # the reference model: watched from its first load on
+opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+losses = []
+for _ in range(3):
+    loss = (policy(torch.randn(4, 8)) - ref(torch.randn(4, 8)).detach()).pow(2).mean()
+    loss.backward()
+    losses.append(loss.detach())
+    opt.step()
+    opt.zero_grad()
+    SyncRefModelCallback.sync_target_model(policy, ref, 0.6)  # what on_step_end calls
+if BUG:
+    with torch.no_grad():
+        ref[2].weight.mul_(0.5)  # the bug: a stray write to the reference model
+torch.save({"losses": losses, "weights": [t.clone() for t in ref.state_dict().values()]}, OUT)
+'''
+
+
+def _needs(*modules: str) -> None:
+    """Skip unless every module can be found (found, not imported: timm's import may need IMPORT_TIMM)."""
+    for module in modules:
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed")
+
+
+def _run(tmp_path: Path, job: str, name: str, guarded: bool, **values: Any) -> tuple[Any, dict[str, Any]]:
+    from processes import run_python
+
+    out = tmp_path / f"{name}.pt"
+    script = tmp_path / f"job_{name}.py"
+    lines = [f"{key} = {value!r}" for key, value in {**values, "OUT": str(out)}.items()]
+    script.write_text("\n".join(lines) + "\n" + textwrap.dedent(job))
+    env = ENV if guarded else {"KVGUARD": "", "HF_HUB_OFFLINE": "1"}
+    result = run_python(script, cwd=tmp_path, timeout=600, **env)
+    return result, (torch.load(out) if out.exists() else {})
+
+
+def _bitwise(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_bitwise(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_bitwise(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def _clean_and_bitwise(tmp_path: Path, job: str, name: str, **values: Any) -> list[str]:
+    """Run `job` with the switches off and on: clean, bitwise the same; returns the guarded run's kvguard lines."""
+    plain, expected = _run(tmp_path, job, f"{name}_plain", False, BUG=False, **values)
+    assert plain.returncode == 0, plain.stderr
+    result, got = _run(tmp_path, job, name, True, BUG=False, **values)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith(("kvguard", "  "))]
+    assert "MutationError" not in result.stderr and not any("write at" in line or "writes at" in line
+                                                            for line in lines), result.stderr
+    assert expected and _bitwise(expected, got)
+    return lines
+
+
+def _caught(tmp_path: Path, job: str, name: str, marker: str, **values: Any) -> str:
+    """Run `job` with its bug under the switches: stopped at the bug's line; returns stderr."""
+    result, _ = _run(tmp_path, job, f"{name}_bug", True, BUG=True, **values)
+    script = tmp_path / f"job_{name}_bug.py"
+    line = next(i for i, text in enumerate(script.read_text().splitlines(), 1) if marker in text)
+    assert result.returncode == 1, result.stderr
+    assert f'File "{script}", line {line}' in result.stderr and "kvguard.MutationError" in result.stderr
+    return result.stderr
+
+
+def test_timm_resnet_with_batch_norm_and_ema_is_clean_bitwise_and_a_stray_write_is_caught(tmp_path: Path) -> None:
+    _needs("timm", "torchvision")
+    lines = _clean_and_bitwise(tmp_path, TIMM_JOB, "timm")
+    assert any(line.startswith("kvguard: autograd: ") and line.endswith("no in-place writes") for line in lines)
+    assert "kvguard: weights: 122 parameters and buffers watched over 3 optimizer steps, no in-place writes" in lines
+    stderr = _caught(tmp_path, TIMM_JOB, "timm", "module.weight.data.mul_(0.5)")
+    assert "kvguard.MutationError: model.bn1.weight would be modified in place by aten.mul_.Tensor" in stderr
+
+
+@pytest.mark.parametrize("safe_merge", [False, True])
+def test_peft_lora_training_then_merge_is_clean_bitwise_and_its_merge_intended(tmp_path: Path,
+                                                                              safe_merge: bool) -> None:
+    _needs("peft", "transformers")
+    lines = _clean_and_bitwise(tmp_path, PEFT_JOB, "peft", SAFE=safe_merge)
+    # 2 layers x (q_proj, v_proj): `+=` on `.data` is an add_ and a `.data =`, safe_merge one `.data =`
+    assert f"  allowed: {4 if safe_merge else 8} writes by intended writer peft LoRA merge" in lines
+    assert any(line.startswith("kvguard: weights: ") and "over 3 optimizer steps, no in-place writes, " in line
+               for line in lines)
+
+
+def test_peft_a_stray_write_to_an_adapter_is_caught_at_its_line(tmp_path: Path) -> None:
+    _needs("peft", "transformers")
+    stderr = _caught(tmp_path, PEFT_JOB, "peft", 'weight.data.zero_()', SAFE=False)
+    assert ("lora_B.default.weight would be modified in place by aten.zero_.default" in stderr)
+
+
+def test_trl_reference_sync_is_intended_and_a_stray_write_to_the_reference_is_caught(tmp_path: Path) -> None:
+    _needs("trl", "accelerate")
+    lines = _clean_and_bitwise(tmp_path, TRL_JOB, "trl")
+    assert "  allowed: 24 writes by intended writer trl SyncRefModelCallback" in lines
+    stderr = _caught(tmp_path, TRL_JOB, "trl", "ref[2].weight.mul_(0.5)")
+    assert "kvguard.MutationError: ref.2.weight would be modified in place by aten.mul_.Tensor" in stderr
