@@ -8,6 +8,7 @@ the stack when they happen.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import os
@@ -41,6 +42,8 @@ def _digest(digest: Any) -> str:
 
 class ModuleGuard(Guard):
     """A guard over the weights of one module. Use `guard_module()`."""
+
+    intended_for = "weights"  # peft's merge, trl's reference sync... (`kvguard._intended`)
 
     def __init__(self, modules: list[tuple[str, Any]], optimizers: tuple[Any, ...], *, name: Optional[str] = None,
                  action: Optional[str] = "raise", allow: Optional[Collection[str]] = None,
@@ -80,7 +83,8 @@ class ModuleGuard(Guard):
                 except Exception:  # noqa: BLE001 - kvguard's own failure never fails the user's `_apply`
                     return
                 if guard is not None:
-                    guard._report_changes(changes, APPLY_DIFF)
+                    guard._report_changes(changes, APPLY_DIFF, f"when {type(module).__name__}._apply returned "
+                                                               "(to_empty, or a function keeping dtype and device)")
             return done
 
         def loaded(module: Any) -> None:
@@ -138,13 +142,15 @@ class ModuleGuard(Guard):
         protected = self._protected
         if protected is None:
             return None
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        self._report_changes(protected.step_changes(params), STEP_DIFF if self.level == "full" else STEP_DIFF_LIGHT)
-        return protected.begin_step(params)
+        step = protected.step_set([p for group in optimizer.param_groups for p in group["params"]])
+        self._report_changes(protected.step_changes(step), STEP_DIFF if self.level == "full" else STEP_DIFF_LIGHT,
+                             f"at optimizer step {protected.steps + 1}, before it ran")
+        return protected.begin_step(step)
 
-    def _report_changes(self, changes: list[Any], diff: str) -> None:
+    def _report_changes(self, changes: list[Any], diff: str, found: str) -> None:
         """Changes found at a step or a module's `_apply`, as boundary findings located at the user's
-        line (`step()`, `to_empty()`). Under "raise" the first raises (the change has happened)."""
+        line (`step()`, `to_empty()`) and said to be found there (`found`, the event's). Under "raise"
+        the first raises (the change has happened)."""
         if not changes or self._protected is None:
             return
         from kvguard._engine.judge import unobserved_event
@@ -155,6 +161,7 @@ class ModuleGuard(Guard):
         site = user_site()
         events = [unobserved_event(c.entry, c.tensor, site, diff, f"digest {_digest(c.was)}") if c.kind == "values" else
                   unobserved_event(c.entry, c.tensor, site, MEMORY_DIFF, c.was, c.now) for c in changes]
+        events = [dataclasses.replace(e, found=found) for e in events]
         events = [e for e in events if not self._allowed(e)]
         for event in events:
             self._on_event(event, at_exit=True)

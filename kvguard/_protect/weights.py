@@ -4,9 +4,12 @@ Every parameter and buffer of the guarded modules, named as `named_parameters()`
 `named_buffers()` print them under the guard's name (`model.layers.0.mlp.weight`). Writes
 a trainer means are not reported:
 
-- inside an optimizer's `step()` (`stepping`: the step's parameters leave the write
+- inside an optimizer's `step()` (`begin_step`: the step's parameters leave the write
   hook's memory for the step, so its writes cost nothing, then their digests start again;
-  they are compared first, so that what changed since the last step is not absorbed);
+  they are compared first, so that what changed since the last step is not absorbed). A
+  step's parameters are known before it runs: with the compiled extension loaded they are
+  rows of a C++ table (`StepSet`), compared and digested in one C++ pass each, and the
+  write hook admits the step's writes in C++ (`write_hook.admit`): no Python per parameter;
 - inside `load_state_dict` of a guarded module (it exists to write weights);
 - a module's own `forward` updating its own buffers (batch norm's running statistics), or
   its forward hooks doing so (the classic `spectral_norm`'s `weight_u`, `weight_v`), and
@@ -26,7 +29,9 @@ from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
 import torch
 
+from kvguard import _torch
 from kvguard._protect import digest as _digest
+from kvguard._protect import records as _records
 from kvguard._protect.collector import collector_paused
 from kvguard._protect.entries import Change, Entry
 from kvguard._protect.protected import ProtectedSet
@@ -55,9 +60,10 @@ class ModuleSet(ProtectedSet):
         # id(entry) -> the module whose own forward may write it: a buffer's module; a parameter's
         # when that module is one of torch.nn's (an Embedding with max_norm renormalises its weight)
         self._owner: dict[int, weakref.ref[torch.nn.Module]] = {}
-        self._stepping: set[int] = set()  # ids of the entries an optimizer step is writing now
+        self._active: list[StepSet] = []  # the optimizer steps running now
+        self._holding: list[StepSet] = []  # the step sets whose tables hold their entries' digests
         self._guarded_modules: set[int] = set()  # ids of every module of the guarded trees
-        self._step_sets: dict[tuple[int, ...], list[Entry]] = {}  # a step's parameters -> all it writes
+        self._step_sets: dict[tuple[int, ...], StepSet] = {}  # a step's parameters (ids) -> what it writes
         # Level "light" (no op is seen): the buffers that their modules update themselves are
         # taken again at each comparison, not compared (`_absorb_own_updates`).
         self.light = False
@@ -140,7 +146,7 @@ class ModuleSet(ProtectedSet):
     def _scan_now(self, frames: Optional[list[Any]]) -> None:
         """Every parameter and buffer as the modules hold them now: new ones protected, replaced ones let go."""
         self._dirty = False
-        self._step_sets = {}
+        self._forget_steps()
         self._drop_dead()
         named = self._named_tensors()
         entries = self._entries
@@ -162,6 +168,12 @@ class ModuleSet(ProtectedSet):
                 known.path = path
         self._rebuild_index()
 
+    def _drop_dead(self) -> bool:
+        dropped = super()._drop_dead()
+        if dropped:
+            self._forget_steps()  # keyed by the ids of tensors, one of which died
+        return dropped
+
     def look(self) -> None:
         if self._released:
             with collector_paused():
@@ -174,6 +186,7 @@ class ModuleSet(ProtectedSet):
 
     def boundary_changes(self, caller: Optional[types.FrameType], rescan: bool = True) -> list[Any]:
         """At a boundary the modules are read again (a parameter replaced or added), then compared."""
+        self._reclaim()
         with collector_paused():
             self._scan_now(None)
         self._settle()
@@ -223,6 +236,7 @@ class ModuleSet(ProtectedSet):
         """An intended write is about to change `intended`: what changed in them since their digests,
         with no op reporting it, is found now (the write would hide it); their digests are taken
         again once it is done (`_settle`)."""
+        self._reclaim(intended)
         fresh = [e for e in intended if id(e) not in self._pending and not e.explained]
         if self._fingerprint and fresh:
             with collector_paused():
@@ -256,70 +270,211 @@ class ModuleSet(ProtectedSet):
                 self.explain(own)
 
     def intervals(self) -> list[tuple[int, int]]:
-        if not self._stepping:
+        if not self._active:
             return super().intervals()
-        from kvguard._protect import records as _records
+        return _records.intervals(e.record for e in self._entries.values() if not self._stepping(e))
 
-        return _records.intervals(e.record for e in self._entries.values() if id(e) not in self._stepping)
+    def identities(self) -> list[int]:
+        if not self._active:
+            return super().identities()
+        return _records.impls(e.record for e in self._entries.values() if not self._stepping(e))
 
-    def step_changes(self, tensors: Sequence[torch.Tensor]) -> list[Change]:
+    def _stepping(self, entry: Entry) -> bool:
+        """Whether a step running now writes `entry`."""
+        key = id(entry)
+        return any(key in step.ids for step in self._active)
+
+    # -- optimizer steps -------------------------------------------------------------
+    #
+    # Per step: `step_set(params)` (the step's entries, kept while they stay as they are),
+    # `step_changes(step)` (what changed since the last step), `begin_step(step)` and
+    # `end_step(step)`. With a step set's table (`StepSet.table`) the entries' digests live in
+    # the table from its first step on (`_take`), and come back to the entries whenever
+    # Python code reads or sets them (`_reclaim`: a boundary, a write that hits them).
+
+    def step_set(self, tensors: Sequence[torch.Tensor]) -> StepSet:
+        """What a step of an optimizer over `tensors` writes: their entries and the entries that
+        share their memory (a buffer aliasing a parameter); made once per optimizer while the
+        entries stay as they are (a rescan or a death forgets it)."""
+        if self._released or self._dirty:
+            self.look()
+        key = tuple(map(id, tensors))
+        step = self._step_sets.get(key)
+        if step is None:
+            entries = self._step_entries(tensors)
+            step = self._step_sets[key] = StepSet(entries, self._step_table(entries))
+        return step
+
+    def _step_entries(self, tensors: Iterable[torch.Tensor]) -> list[Entry]:
+        params = [e for t in tensors if (e := self.entry_of(t)) is not None]
+        self._memory.ensure(self._entries.values())
+        found = {id(e): e for e in params}
+        for entry in params:
+            tensor = entry.ref()
+            if tensor is not None:
+                found.update((id(e), e) for e in self._memory.hits(tensor))
+        return list(found.values())
+
+    def _step_table(self, entries: list[Entry]) -> Any:
+        """A `write_hook.Table` of `entries`' tensors, row i for entry i; None where the compiled
+        extension is not loaded or a tensor is not plain host memory (Python compares those)."""
+        from kvguard._protect.native import table_module
+
+        module = table_module()
+        tensors = [e.ref() for e in entries]
+        if module is None or not tensors or any(t is None for t in tensors):
+            return None
+        table = module.Table(_torch.PLAIN, self._fingerprint)
+        first, again, python = table.add(tensors)
+        if first != 0 or again or python or len(table) != len(entries):
+            table.clear()
+            return None
+        return table
+
+    def step_changes(self, step: StepSet) -> list[Change]:
         """What changed, with no op reporting it, in what a step is about to write: the step takes
         their digests again when it is done, so a change made since the last one (a numpy
         view, a raw pointer) is found now or never."""
         if not self._fingerprint:
             return []
-        if self._released:
-            self.look()
         self._settle()
         self._absorb_own_updates()
-        stepping = self._step_entries(tensors)
-        with collector_paused():
-            found, moved = self._compare_soon([(e, t) for e in stepping if (t := e.ref()) is not None])
-        if moved:
-            self._rebuild_index()
+        if step.table is not None and self._take(step):
+            found = self._step_refresh(step, report=True)
+        else:
+            with collector_paused():
+                found, moved = self._compare_soon([(e, t) for e in step.entries if (t := e.ref()) is not None])
+            if moved:
+                self._rebuild_index()
         early, self._early = self._early, []
         return early + found
 
-    def _step_entries(self, tensors: Iterable[torch.Tensor]) -> list[Entry]:
-        """The entries of `tensors`, and the entries that share their memory (a buffer aliasing a
-        parameter): what a step of theirs writes."""
-        params = [e for t in tensors if (e := self.entry_of(t)) is not None]
-        key = tuple(map(id, params))
-        stepping = self._step_sets.get(key)
-        if stepping is None:  # once per optimizer while the entries stay as they are
-            self._memory.ensure(self._entries.values())
-            found = {id(e): e for e in params}
-            for entry in params:
-                tensor = entry.ref()
-                if tensor is not None:
-                    found.update((id(e), e) for e in self._memory.hits(tensor))
-            stepping = self._step_sets[key] = list(found.values())
-        return stepping
+    def _take(self, step: StepSet) -> bool:
+        """`step`'s table holds its entries' digests from now on (until `_reclaim`); False where
+        one of them is not a host digest (Python compares them)."""
+        if step.holding:
+            return True
+        self._reclaim(step.entries)  # another step set holding some of them gives them back first
+        digests = [e.digest for e in step.entries]
+        if not all(d is None or type(d) is int for d in digests):
+            return False
+        step.table.set_digests(digests, [e.explained for e in step.entries])
+        step.holding = True
+        self._holding.append(step)
+        return True
 
-    def begin_step(self, tensors: Iterable[torch.Tensor]) -> list[Entry]:
-        """An optimizer step starts writing `tensors`: what it writes (`_step_entries`) steps aside
-        until `end_step`."""
-        stepping = self._step_entries(tensors)
-        self.steps += 1
-        self._stepping.update(map(id, stepping))
-        if stepping:
-            self._rebuild_index()  # the write hook no longer compares their memory
-        return stepping
+    def _reclaim(self, entries: Optional[Sequence[Entry]] = None) -> None:
+        """The digests the step tables hold come back to their entries (those of `entries`; None:
+        all), before Python code reads or sets them."""
+        if not self._holding:
+            return
+        ids = None if entries is None else {id(e) for e in entries}
+        for step in list(self._holding):
+            if ids is None or not step.ids.isdisjoint(ids):
+                step.holding = False
+                self._holding.remove(step)
+                for entry, digest in zip(step.entries, step.table.digests()):
+                    entry.digest, entry.explained = digest, False
 
-    def end_step(self, stepping: list[Entry]) -> None:
-        """The step is done: its entries are protected again, from their values now."""
-        for entry in stepping:
-            self._stepping.discard(id(entry))
-        if stepping:
-            self.explain(stepping)  # digests (and memory) as the step left them
+    def _step_refresh(self, step: StepSet, report: bool) -> list[Change]:
+        """One C++ pass over the step's table: digests compared (`report`: what changed is
+        returned) and taken again, and memory followed (`ProtectedSet._compare_records`)."""
+        changed, moved, python = step.table.refresh(None, self._fingerprint)
+        entries = step.entries
+        found = [Change(entries[row], t, "values", was, now) for row, was, now in changed
+                 if (t := entries[row].ref()) is not None] if report else []
+        if moved or python:
+            for row, old in moved:
+                entry, tensor = entries[row], entries[row].ref()
+                if tensor is None:
+                    continue
+                record = step.table.record(row)
+                if report and (old[DIGEST] is None or record[DIGEST] is None):
+                    found.append(Change(entry, tensor, "memory", _records.layout_text(old),
+                                        _records.tensor_text(tensor)))
+                entry.record = _records.describe([tensor], False, self._compiled)[0] if python else record
+            self._forget_steps()  # the next step makes its set anew, from the entries as they are now
             self._rebuild_index()
+        return found
+
+    def begin_step(self, step: StepSet) -> StepSet:
+        """An optimizer step starts: what it writes steps aside until `end_step` (admitted by the
+        write hook in C++ where it can, else left out of what is published)."""
+        self.steps += 1
+        self._active.append(step)
+        if not step.entries:
+            return step
+        backend, kept = self._admitting() if step.table is not None else (None, ([], []))
+        step.admitted = backend is not None and bool(backend.admit(step.table, *kept))
+        step.backend = backend if step.admitted else None
+        if not step.admitted:
+            self._rebuild_index()  # the write hook no longer compares their memory
+        return step
+
+    def _admitting(self) -> tuple[Any, tuple[list[tuple[int, int]], list[int]]]:
+        """The compiled write hook this set is published to, and what the other guards on it
+        protect (kept while a step is admitted); None where there is none."""
+        if self.on_index is None:
+            return None, ([], [])
+        from kvguard._engine import choice as _choice
+
+        hook = _choice._hook_engines.get("compiled")
+        if hook is None or not any(j.protected is self for j in hook.judges) or not hasattr(hook.backend, "admit"):
+            return None, ([], [])
+        intervals: list[tuple[int, int]] = []
+        identities: list[int] = []
+        for judge in hook.judges:
+            if judge.protected is not self:
+                intervals += judge.protected.intervals()
+                identities += judge.protected.identities()
+        return hook.backend, (intervals, identities)
+
+    def end_step(self, step: StepSet) -> None:
+        """The step is done: its entries are protected again, from their values now."""
+        if step in self._active:
+            self._active.remove(step)
+        if not step.entries:
+            return
+        restored = step.admitted and bool(step.backend.admit(None))
+        step.admitted, step.backend = False, None
+        if step.table is not None and (step.holding or not self._fingerprint):
+            self._step_refresh(step, report=False)  # digests (and memory) as the step left them
+        else:
+            self.explain(step.entries)
+        if not restored:
+            self._rebuild_index()
+
+    def _forget_steps(self) -> None:
+        """Let the step sets go (their entries changed): the digests they hold go back first."""
+        self._reclaim()
+        for step in self._step_sets.values():
+            if step not in self._active and step.table is not None:
+                step.table.clear()  # its weak references go now (`swap_tensors` refuses them)
+                step.table = None
+        self._step_sets = {}
+
+    def explain(self, entries: list[Entry], settled: bool = True) -> None:
+        self._reclaim(entries)
+        super().explain(entries, settled)
+
+    def drifted(self, entries: list[Entry]) -> list[Entry]:
+        self._reclaim(entries)
+        return super().drifted(entries)
+
+    def release(self, tensors: tuple[torch.Tensor, ...]) -> Callable[[], None]:
+        self._forget_steps()  # the tables' weak references too
+        for step in self._active:
+            if step.table is not None:
+                step.table.clear()
+                step.table = None
+        return super().release(tensors)
 
     def written_entries(self, written: Sequence[torch.Tensor], kind: str, resizes: bool = False) -> list[Entry]:
         if self._pending:
             self._settle()  # the write looked at before this one is done
         hit = super().written_entries(written, kind, resizes)
-        if self._stepping:
-            hit = [e for e in hit if id(e) not in self._stepping]
+        if self._active:
+            hit = [e for e in hit if not self._stepping(e)]
         if not hit:
             return hit
         intended = self._intended(hit, sys._getframe(1))
@@ -367,6 +522,7 @@ class ModuleSet(ProtectedSet):
 
         if id(module) not in self._guarded_modules:
             return list
+        self._forget_steps()  # every digest back in its entry; no weak reference of a table left
         kind = _torch.module_apply_kind(fn)
         # path -> dtype, device, meta, digest; and the entry with its own digest then: an op that
         # reports its write on the way (`.data =` at level "full") moves it: not reported twice.
@@ -416,13 +572,40 @@ class ModuleSet(ProtectedSet):
         return [e for e in self._entries.values() if id(e.ref()) in tensors]
 
     def close(self) -> None:
-        self._stepping.clear()
+        for step in self._active:
+            if step.admitted:
+                step.backend.admit(None)
+                step.admitted, step.backend = False, None
+        self._forget_steps()
+        self._active.clear()
         self._pending.clear()
         self._early = []
         self._later = DeviceComparisons()
         self._owner.clear()
         self._roots = []
         super().close()
+
+
+class StepSet:
+    """What one optimizer's step writes: its parameters' entries and the entries sharing their
+    memory, kept from step to step while the entries stay as they are.
+
+    `table`: the compiled extension's `write_hook.Table` of their tensors (row i for entry i),
+    or None (not loaded, or a tensor Python must describe). With it, the comparison before
+    a step and the digests after it are one C++ pass each, the table holding the digests
+    between steps (`holding`), and the write hook admits the step's writes in C++
+    (`admitted`, by `backend`) rather than have Python see each one.
+    """
+
+    __slots__ = ("admitted", "backend", "entries", "holding", "ids", "table")
+
+    def __init__(self, entries: list[Entry], table: Any) -> None:
+        self.entries = entries
+        self.ids = frozenset(map(id, entries))
+        self.table = table
+        self.holding = False
+        self.admitted = False
+        self.backend: Any = None
 
 
 def _is_conversion(frame: types.FrameType) -> bool:

@@ -284,13 +284,14 @@ inline void prefetch_impl(const c10::TensorImpl* impl, int write) {
 constexpr uintptr_t kDigestNow = 64 * 1024;  // bytes a digest takes with the GIL held, in the describe pass
 constexpr auto kDigested = static_cast<decltype(Described::kHost)>(3);  // taken in that pass
 
-// Describes tensors (alive: the caller holds them), the digests on the host with the GIL released.
-void describe_all(const std::vector<at::Tensor>& tensors, const std::vector<bool>& plain,
-                  std::vector<Described>* out, bool want_digest) {
+// Describes tensors[0, n) (alive: the caller holds them; `plain(i)`: whether C++ describes the
+// i-th), the digests on the host with the GIL released.
+template <class Plain>
+void describe_range(const at::Tensor* tensors, size_t n, Plain plain, std::vector<Described>* out,
+                    bool want_digest) {
   const DigestApi* api = want_digest ? digest_api() : nullptr;
   const int max_dims = api == nullptr ? 0 : api->max_dims;
-  out->assign(tensors.size(), Described());
-  const size_t n = tensors.size();
+  out->assign(n, Described());
   for (size_t i = 0; i < n; ++i) {
     // Each tensor's TensorImpl, then its StorageImpl, are a cache miss apiece when the set is
     // large: fetched a few tensors ahead, so that the misses overlap instead of adding up.
@@ -305,7 +306,7 @@ void describe_all(const std::vector<at::Tensor>& tensors, const std::vector<bool
         __builtin_prefetch(static_cast<const char*>(ahead->storage().data()) +
                            ahead->storage_offset() * (int64_t)ahead->itemsize());
     }
-    if (!plain[i]) continue;
+    if (!plain(i)) continue;
     Described& d = (*out)[i];
     try {
       describe_tensor(tensors[i], d, want_digest, max_dims);
@@ -331,6 +332,15 @@ void describe_all(const std::vector<at::Tensor>& tensors, const std::vector<bool
   for (Described& d : *out)
     if (d.digest_kind == kDigested) d.digest_kind = Described::kHost;
 }
+
+void describe_all(const std::vector<at::Tensor>& tensors, const std::vector<bool>& plain,
+                  std::vector<Described>* out, bool want_digest) {
+  describe_range(tensors.data(), tensors.size(), [&](size_t i) { return (bool)plain[i]; }, out, want_digest);
+}
+
+// Rows a refresh describes at a time: their descriptions stay in cache between the pass that
+// takes them and the one that compares them (a whole table's would not, at thousands of rows).
+constexpr size_t kRefreshChunk = 128;
 
 bool is_plain(TableObject* self, PyObject* obj) {
   PyObject* types = self->plain_types;
@@ -619,7 +629,6 @@ PyObject* table_refresh(TableObject* self, PyObject* args) {
   std::vector<bool> plain(live.size());
   for (size_t k = 0; k < live.size(); ++k) plain[k] = !(t.flags[live[k]] & kPython);
   std::vector<Described> found;
-  describe_all(tensors, plain, &found, with_digest && t.want_digest);
   std::vector<size_t> python;
   PyObject* moved = PyList_New(0);
   PyObject* changed = PyList_New(0);
@@ -629,8 +638,13 @@ PyObject* table_refresh(TableObject* self, PyObject* args) {
     return nullptr;
   }
   for (size_t k = 0; k < live.size(); ++k) {
+    if (k % kRefreshChunk == 0) {  // the next chunk of rows described, then compared
+      const size_t n = std::min(kRefreshChunk, live.size() - k);
+      describe_range(tensors.data() + k, n, [&](size_t i) { return (bool)plain[k + i]; }, &found,
+                     with_digest && t.want_digest);
+    }
     const size_t r = live[k];
-    const Described& d = found[k];
+    const Described& d = found[k % kRefreshChunk];
     if (!plain[k]) {
       python.push_back(r);
       continue;
@@ -912,6 +926,58 @@ PyObject* table_publication_py(TableObject* self, PyObject* args) {
   return Py_BuildValue("(NN)", s, i);
 }
 
+// digests() -> list[int | None]: each row's host digest, in row order (None: the row keeps none).
+PyObject* table_digests(TableObject* self, PyObject*) {
+  const TableData& t = *self->data;
+  PyObject* out = PyList_New((Py_ssize_t)t.impl.size());
+  if (out == nullptr) return nullptr;
+  for (size_t r = 0; r < t.impl.size(); ++r) {
+    PyObject* v = (t.flags[r] & kDigest) && !(t.flags[r] & kGone)
+        ? PyLong_FromUnsignedLongLong(t.digest[r]) : Py_NewRef(Py_None);
+    if (v == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, (Py_ssize_t)r, v);
+  }
+  return out;
+}
+
+// set_digests(digests: list[int | None], explained: list[bool]) -> None: rows 0, 1, ... take
+// these host digests (None: none) and explained marks, as a Python side kept them.
+PyObject* table_set_digests(TableObject* self, PyObject* args) {
+  PyObject *digests = nullptr, *explained = nullptr;
+  if (!PyArg_ParseTuple(args, "O!O!:set_digests", &PyList_Type, &digests, &PyList_Type, &explained)) return nullptr;
+  TableData& t = *self->data;
+  const Py_ssize_t n = PyList_GET_SIZE(digests);
+  if (n != (Py_ssize_t)t.impl.size() || PyList_GET_SIZE(explained) != n) {
+    PyErr_SetString(PyExc_ValueError, "Table.set_digests: one digest and one mark per row");
+    return nullptr;
+  }
+  std::vector<uint64_t> values((size_t)n, 0);
+  std::vector<uint8_t> known((size_t)n, 0), marked((size_t)n, 0);
+  for (Py_ssize_t i = 0; i < n; ++i) {  // read first: a bad item leaves the table as it was
+    PyObject* v = PyList_GET_ITEM(digests, i);
+    if (v != Py_None) {
+      const unsigned long long d = PyLong_AsUnsignedLongLong(v);
+      if (d == (unsigned long long)-1 && PyErr_Occurred()) return nullptr;
+      values[(size_t)i] = d;
+      known[(size_t)i] = 1;
+    }
+    const int on = PyObject_IsTrue(PyList_GET_ITEM(explained, i));
+    if (on < 0) return nullptr;
+    marked[(size_t)i] = (uint8_t)on;
+  }
+  for (size_t r = 0; r < (size_t)n; ++r) {
+    uint8_t f = (uint8_t)(t.flags[r] & ~(kDigest | kExplained));
+    if (known[r]) f |= kDigest;
+    if (marked[r]) f |= kExplained;
+    t.flags[r] = f;
+    t.digest[r] = values[r];
+  }
+  Py_RETURN_NONE;
+}
+
 PyObject* table_clear(TableObject* self, PyObject*) {
   self->data->clear();
   Py_RETURN_NONE;
@@ -955,6 +1021,9 @@ PyMethodDef table_methods[] = {
      "compact() -> list[int]: drop gone rows, renumber the rest; the old number of each, in order"},
     {"summary", (PyCFunction)table_summary, METH_VARARGS, "summary(first=0) -> (inference, all_memory)"},
     {"clear", (PyCFunction)table_clear, METH_NOARGS, "clear() -> None"},
+    {"digests", (PyCFunction)table_digests, METH_NOARGS, "digests() -> list[int | None]: per row, in order"},
+    {"set_digests", (PyCFunction)table_set_digests, METH_VARARGS,
+     "set_digests(digests: list[int | None], explained: list[bool]) -> None: one per row, in order"},
     {"publication", (PyCFunction)table_publication_py, METH_VARARGS,
      "publication(first=0) -> (list[(start, stop)], list[impl address])"},
     {"nbytes", (PyCFunction)table_nbytes, METH_NOARGS, "nbytes() -> int"},

@@ -22,6 +22,8 @@
 //     order, with any overlap), or instead of them; add_protected(table, first_row, replace)
 //     reads both from a Table's live rows from first_row on
 //   Table(plain_types, digest): a protected set's tensors as rows (table.h)
+//   admit(table | None, intervals=(), identities=()) -> bool: an optimizer step's parameters
+//     (a Table) leave what is published while it runs (less what other guards protect), so its own writes never enter Python (see py_admit)
 //   set_watch(callable | None, snapshots=None): called with no arguments before each judged
 //     write; with `snapshots`, a list of (containers, held) tuple pairs, only when one of
 //     them changed (kvguard._native.speedups's identity check, run here without Python code)
@@ -1062,6 +1064,91 @@ PyObject* py_add_protected(PyObject*, PyObject* args) {
   KVGUARD_CATCH
 }
 
+// ---- an optimizer step's own writes ------------------------------------------------------
+// A step's parameters are known before it runs: admit(table) takes their memory and
+// identities (a Table's live rows) out of what is published, so that the step's writes to
+// them never reach Python; admit(None) puts back what was published before, unless
+// something was published since (then it returns False and the caller publishes anew).
+// One admission at a time; with the GIL.
+std::shared_ptr<const Protected> g_admit_before;     // what admit(table) replaced
+std::shared_ptr<const Protected> g_admit_published;  // what it published instead
+bool g_admitting = false;
+
+// `into` = `a` less `b` (each sorted and coalesced): the parts of a's intervals that none of
+// b's covers, and a's identities that are not b's.
+void subtract_sorted(const Sorted& a, const Sorted& b, Sorted* into) {
+  into->intervals.clear();
+  into->intervals.reserve(a.intervals.size());
+  size_t j = 0;
+  for (const Interval& iv : a.intervals) {
+    uintptr_t lo = iv.first;
+    const uintptr_t hi = iv.second;
+    while (j < b.intervals.size() && b.intervals[j].second <= lo) ++j;  // behind this and every later one
+    for (size_t k = j; lo < hi && k < b.intervals.size() && b.intervals[k].first < hi; ++k) {
+      if (b.intervals[k].first > lo) into->intervals.emplace_back(lo, b.intervals[k].first);
+      lo = std::max(lo, b.intervals[k].second);
+    }
+    if (lo < hi) into->intervals.emplace_back(lo, hi);
+  }
+  into->identities.clear();
+  std::set_difference(a.identities.begin(), a.identities.end(), b.identities.begin(), b.identities.end(),
+                      std::back_inserter(into->identities));
+}
+
+// admit(table | None, intervals=(), identities=()) -> bool: see above. True: admitted (table),
+// or put back (None). `intervals` and `identities` stay published whatever the table holds:
+// what other guards protect.
+PyObject* py_admit(PyObject*, PyObject* args) {
+  KVGUARD_TRY
+  PyObject *arg = nullptr, *keep_intervals = nullptr, *keep_identities = nullptr;
+  if (!PyArg_ParseTuple(args, "O|OO:admit", &arg, &keep_intervals, &keep_identities)) return nullptr;
+  if (arg == Py_None) {
+    if (!g_admitting) Py_RETURN_FALSE;
+    const bool untouched = std::atomic_load(&g_protected) == g_admit_published;
+    if (untouched) std::atomic_store(&g_protected, g_admit_before);
+    g_admit_before.reset();
+    g_admit_published.reset();
+    g_admitting = false;
+    return PyBool_FromLong(untouched);
+  }
+  if (!is_table(arg)) {
+    PyErr_Format(PyExc_TypeError, "admit: expected a Table or None, not %.100s", Py_TYPE(arg)->tp_name);
+    return nullptr;
+  }
+  if (g_admitting) Py_RETURN_FALSE;
+  Intervals kept;
+  std::vector<uintptr_t> kept_ids;
+  if (keep_intervals != nullptr && !read_pairs(keep_intervals, &kept, "admit", /*sorted=*/false)) return nullptr;
+  if (keep_identities != nullptr && !read_addresses(keep_identities, &kept_ids, "admit")) return nullptr;
+  Intervals spans;
+  std::vector<uintptr_t> identities;
+  table_publication(arg, 0, &spans, &identities);
+  std::sort(spans.begin(), spans.end());
+  std::sort(identities.begin(), identities.end());
+  Sorted admitted;
+  merge_sorted(Sorted{std::move(spans), std::move(identities)}, Sorted(), &admitted);
+  std::shared_ptr<const Protected> current = std::atomic_load(&g_protected);
+  const Sorted all = flatten(current.get());
+  auto bulk = std::make_shared<Sorted>();
+  subtract_sorted(all, admitted, bulk.get());
+  if (!kept.empty() || !kept_ids.empty()) {
+    std::sort(kept.begin(), kept.end());
+    std::sort(kept_ids.begin(), kept_ids.end());
+    Sorted others, less = std::move(*bulk);
+    merge_sorted(Sorted{std::move(kept), std::move(kept_ids)}, Sorted(), &others);
+    merge_sorted(less, others, bulk.get());
+  }
+  auto next = std::make_shared<Protected>();
+  next->bulk = std::move(bulk);
+  std::shared_ptr<const Protected> frozen = std::move(next);
+  g_admit_before = std::move(current);
+  g_admit_published = frozen;
+  g_admitting = true;
+  std::atomic_store(&g_protected, std::move(frozen));
+  Py_RETURN_TRUE;
+  KVGUARD_CATCH
+}
+
 PyObject* py_set_identities(PyObject*, PyObject* arg) {
   KVGUARD_TRY
   std::vector<uintptr_t> identities;
@@ -1183,6 +1270,11 @@ PyMethodDef methods[] = {
      "add_protected(intervals: list[tuple[int, int]], identities: list[int], replace: bool = "
      "False) -> None\n\nProtect more (any order, any overlap): merged into the published "
      "intervals and identities, or published instead of them (`replace`)."},
+    {"admit", py_admit, METH_VARARGS,
+     "admit(table | None, intervals=(), identities=()) -> bool\n\nAn optimizer step starts (a Table of "
+     "its parameters): their memory and identities leave what is published, except `intervals` and "
+     "`identities` (what other guards protect), until admit(None), which puts back what was published "
+     "before unless something was published since (then False: publish anew). One at a time."},
     {"describe", py_describe, METH_VARARGS,
      "describe(tensors: list, plain_types: tuple[type, ...], digest: bool) -> list\n\nPer "
      "tensor, None (Python must describe it) or (layout, impl, device, start, stop, dense, "
