@@ -94,6 +94,11 @@ class Allowlist:
         given = _reason.get()
         return f"kvguard.allow({given!r})" if given is not None else None
 
+    def intended_reason(self) -> Optional[str]:
+        """Why a write now is allowed by a well-known intended writer running (`kvguard._intended`), or None."""
+        writer = _intended.running(self.intended, sys._getframe(1)) if self.intended else None
+        return f"intended writer {writer.name}" if writer is not None else None
+
     def reason(self, path: str) -> Optional[str]:
         """Why a write to `path` is allowed (`allow=PATTERN`, `kvguard.allow('...')`), or None."""
         given = _reason.get()
