@@ -376,13 +376,14 @@ def test_memory_is_flat_over_many_steps(engine: str) -> None:
         gc.collect()
         saved_then = len(g._protected._entries)
         objects_then = len(gc.get_objects())
-        steps(1000)
+        steps(400)
         gc.collect()
+        # A leak of one entry or one object per step fails these bounds after 400 steps.
         assert len(g._protected._entries) <= saved_then + 8
-        assert len(gc.get_objects()) < objects_then + 500
+        assert len(gc.get_objects()) < objects_then + 200
         g._protected.look()
         assert g._protected.alive == 0  # every graph's saved tensors let go once its backward ran
-    assert g.report.ok and g.graphs == 1050
+    assert g.report.ok and g.graphs == 450
 
 
 def test_a_backward_hook_that_writes_a_saved_tensor_is_seen(engine: str) -> None:
