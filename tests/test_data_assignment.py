@@ -148,6 +148,20 @@ def test_deleting_data_is_refused_as_torch_refuses_it() -> None:
             x.data = None  # type: ignore[assignment]
 
 
+def test_data_set_to_its_own_elements_is_no_repoint() -> None:
+    """`m.to(its own device)` does `p.data = p` in `Module._apply`: nothing changes, so a saved
+    Parameter is not reported (PyTorch's test_nn: test_Linear, test_transformerdecoder); a
+    conversion that moves the elements still is."""
+    m = torch.nn.Linear(3, 3)
+    with kvguard.guard_autograd(action="record") as g:
+        y = (m.weight * m.weight).sum()  # mul saves the Parameter itself
+        m.to("cpu")
+        m.weight.data = m.weight.data
+        assert not g.report.events
+        m.double()
+    assert [(e.op, e.kind) for e in g.report.events] == [("Tensor.data assignment", "repoint")]
+
+
 def test_the_getter_is_torchs_own() -> None:
     p = torch.nn.Parameter(torch.ones(2))
     with kvguard.guard({"p": p}, name="m", action="raise"):
