@@ -10,7 +10,7 @@ stay true, and check that kvguard says so once when a saved Parameter has attrib
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -22,7 +22,7 @@ from kvguard._protect import saved as _saved
 class _Linear(torch.autograd.Function):
     """Megatron-core's shape: saves the weight, reads and sets a flag on it in backward."""
 
-    seen: list[tuple[str, bool]] = []
+    seen: ClassVar[list[tuple[str, bool]]] = []
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

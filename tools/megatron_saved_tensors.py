@@ -24,7 +24,8 @@ import contextlib
 import os
 import sys
 import types
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,9 @@ class Probe:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication as F
+        from megatron.core.tensor_parallel.layers import (
+            LinearWithGradAccumulationAndAsyncCommunication as F,
+        )
 
         original = F.backward
 
@@ -71,8 +74,14 @@ class Probe:
 
 
 def run(fusion: bool, overlap: bool, hooks: str) -> dict[str, Any]:
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+    )
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch.manual_seed(0)
