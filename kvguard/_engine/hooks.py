@@ -75,6 +75,10 @@ class HookEngine:
             def on_index(added: Optional[list[Any]]) -> None:
                 self._push(added, judge)
             judge.protected.on_index = on_index
+            # A set that publishes what it protects itself, as it arrives (autograd's packs).
+            attach_backend = getattr(judge.protected, "attach_backend", None)
+            if attach_backend is not None:
+                attach_backend(self.backend)
             try:
                 if len(self.judges) == 1:
                     self.backend.set_callback(self._on_write)
@@ -90,6 +94,9 @@ class HookEngine:
             if judge in self.judges:
                 self.judges.remove(judge)
             judge.protected.on_index = None
+            attach_backend = getattr(judge.protected, "attach_backend", None)
+            if attach_backend is not None:
+                attach_backend(None)
             self._unwatch_inference(judge)
             self._threads.pop(id(judge), None)
             if not self.judges:

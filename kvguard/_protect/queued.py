@@ -4,6 +4,11 @@ Autograd's packs (`saved.SavedSet`) and a dataset's returns (`samples.SampleSet`
 one by one, not by placement into a container the guard walks. Each waits, held weakly, in
 a list the write hook watches like a guarded container; the next write op (or boundary)
 protects what waits in one batch.
+
+A subclass that can tell the write hook a tensor's memory as it arrives (`_described`:
+autograd's packs, with the compiled hook) keeps it out of the watched list: the hook
+already stops at writes to it, and its entry is made at the next time Python is asked
+about a write (or a boundary), so writes to other memory never enter Python for it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ class QueuedSet(ProtectedSet):
 
     def __init__(self, name: str, fingerprint: bool = False) -> None:
         self._pending: list[Any] = []  # weak references not protected yet: the watched container
+        # (weak reference, record) of tensors the write hook knows already, their entries not made yet
+        self._described: list[tuple[Any, Any]] = []
         super().__init__(self._pending, name, None, (), fingerprint=fingerprint)
 
     def _entry(self, ref: Any, tensor: torch.Tensor, record: Record) -> Entry:
@@ -31,7 +38,7 @@ class QueuedSet(ProtectedSet):
         raise NotImplementedError
 
     def look(self) -> None:
-        if self._pending:
+        if self._pending or self._described:
             self._flush()  # which forgets the dead first
         elif self._dirty:
             self._forget_dead()
@@ -48,17 +55,31 @@ class QueuedSet(ProtectedSet):
             for (ref, tensor), record in zip(live, records):
                 entry = entries[id(tensor)] = self._entry(ref, tensor, record)
                 added.append(entry)
+            known = []  # the write hook has their memory already
+            for ref, record in self._described:
+                tensor = ref()
+                if tensor is not None:
+                    entry = entries[id(tensor)] = self._entry(ref, tensor, record)
+                    known.append(entry)
+            self._described.clear()
             del live
+            tensor = None  # no reference kept past the look
             # The lookup index is built when Python is next asked about a write (rarely, for what
             # arrives this way); the write hook learns the new memory now.
             self._memory.invalidate()
-            self._rebuild_index(added)
+            self._entered(added, known)
+
+    def _entered(self, added: list[Entry], known: list[Entry]) -> None:
+        """Entries were made: `added` for tensors the write hook does not know yet, `known` for
+        those it was told of as they arrived."""
+        if added or known:
+            self._rebuild_index(added + known)
 
     def _scan_now(self, frames: Optional[list[Any]]) -> None:
         self._dirty = False
         if not self._watcher.watching:
             self._watcher.walk_all()  # the pending list, empty: what the write hook compares
-        if self._pending:
+        if self._pending or self._described:
             self._flush()
         if self._drop_dead():
             self._rebuild_index()

@@ -32,12 +32,15 @@ import torch
 
 from kvguard import _torch
 from kvguard._protect import frames as _frames
+from kvguard._protect import records as _records
 from kvguard._protect.entries import Entry
 from kvguard._protect.queued import QueuedSet
+from kvguard._protect.records import DEVICE, IMPL, INFERENCE, START, STOP
 from kvguard._report.events import SAVED_PREFIX
 from kvguard._text import say
 
 FLUSH_EVERY = 256  # saved tensors waiting for the next look at most (a forward with no write op)
+_DESCRIBED_MAX = 4096  # saved tensors told to the write hook whose entries wait for Python, at most
 MAX_WALK = 200_000  # nodes a search for savers visits at most
 _ROOTS = 64  # recently saved tensors kept (weakly) as starting points of that search
 TORCH_CHECK = ("one of the variables needed for gradient computation has been modified by an inplace "
@@ -166,9 +169,11 @@ class Composed:
 
 
 class _TensorOf(weakref.ref):  # type: ignore[type-arg]
-    """An entry's reference: weak to the `Saved` (its death is the entry's), calling gives the tensor."""
+    """An entry's reference: weak to the `Saved` (its death is the entry's), calling gives the tensor.
 
-    __slots__ = ()
+    `key`: the entry's key in the set, once it has one (its death drops just that entry)."""
+
+    __slots__ = ("key",)
 
     def __call__(self) -> Optional[torch.Tensor]:
         saved = super().__call__()
@@ -203,6 +208,16 @@ class SavedSet(QueuedSet):
         self._backward_since_pack = True
         self.unprotected = 0  # other hooks' stretches not composed with ours, and tensors a composed pack could not hold
         self.closed = False
+        # The compiled write hook, while this set is attached to it (`attach_backend`): each saved
+        # tensor's memory is published to it at pack time, so no write op has a pending list to
+        # compare and enter Python for (`QueuedSet._described`).
+        self._fast: Any = None
+        self._dead: list[Any] = []  # references that died since the last look: their entries go
+        self._dead_scan = False  # a death no reference names (a composed owner's): scan every entry
+        self._stale = False  # a tensor told to the hook died before its entry was made
+        self._garbage = 0  # dead entries the lookup index still holds (harmless: their tensor is gone)
+        # What the write hook is told, per entry (id): (intervals, identities); None: read from the entries again
+        self._published: Optional[dict[int, tuple[list[tuple[int, int]], list[int]]]] = {}
         super().__init__(name, fingerprint=fingerprint)
 
     # -- the hooks -------------------------------------------------------------------
@@ -214,8 +229,11 @@ class SavedSet(QueuedSet):
             return tensor
         if type(tensor) is not _TENSOR and not _ATTRIBUTES_SAID:
             _say_attributes(tensor)
-        for target in self._protecting():
-            target.adopt(_TensorOf(saved, target._on_death), saved, tensor)
+        if not self.followers and not self.closed:
+            self.adopt(_TensorOf(saved, self._on_death), saved, tensor)
+        else:
+            for target in self._protecting():
+                target.adopt(_TensorOf(saved, target._on_death), saved, tensor)
         return saved
 
     def lend(self, saved: Saved, tensor: torch.Tensor, owner: Optional[Kept]) -> None:
@@ -228,7 +246,8 @@ class SavedSet(QueuedSet):
         return ([] if self.closed else [self]) + self.followers
 
     def adopt(self, ref: Any, saved: Saved, tensor: torch.Tensor) -> None:
-        """Protect what `ref` gives from the next look on (or now, when many wait)."""
+        """Protect what `ref` gives from now on: its memory told to the compiled write hook now
+        (its entry made at the next look), or, where that cannot be, from the next look on."""
         if saved.burst is None and _torch.current_graph_task_id() == -1:  # saved inside backward: its pass counts it
             if self._backward_since_pack or self._burst is None:
                 self._backward_since_pack = False
@@ -241,9 +260,69 @@ class SavedSet(QueuedSet):
             self._roots.append(weakref.ref(tensor))
         if len(self._pending) >= FLUSH_EVERY and threading.get_ident() == self._thread:
             try:
-                self._flush()
+                self.look()
             except Exception:  # noqa: BLE001 - the next look tries again
                 pass
+
+    def look(self) -> None:
+        """Before a write op, when packs wait (the write hook's watch): with the compiled hook, only
+        their memory is told to it, in one batch (`_tell`); their entries are made when Python is
+        next asked about a write, or at a boundary (`_flush`)."""
+        if self._fast is None:
+            super().look()
+        elif self._pending:
+            self._tell()
+            if self._pending:  # what it could not tell: protected the usual way, now
+                super()._flush()
+        if len(self._described) >= _DESCRIBED_MAX and threading.get_ident() == self._thread:
+            self._flush()
+
+    def _tell(self) -> None:
+        """Tell the compiled write hook the memory of what waits; what it cannot describe (sparse,
+        meta, subclasses) or must watch otherwise (inference tensors) is protected the usual way."""
+        fast = self._fast
+        live = [(ref, tensor) for ref in self._pending if (tensor := ref()) is not None]
+        self._pending.clear()  # the watch compares it with an empty snapshot again
+        try:
+            records = fast.describe([tensor for _, tensor in live], _torch.PLAIN, False)
+        except Exception:  # noqa: BLE001 - Python describes them (`_flush`)
+            records = [None] * len(live)
+        spans: list[tuple[int, int]] = []
+        impls: list[int] = []
+        told = []
+        for (ref, _), record in zip(live, records):
+            if record is not None and record[STOP] and record[DEVICE] is not None and not record[INFERENCE]:
+                spans.append((record[START], record[STOP]))
+                if record[IMPL] is not None:
+                    impls.append(record[IMPL])
+                told.append((ref, record))
+            else:
+                self._pending.append(ref)
+        del live
+        if told:
+            try:
+                fast.add_protected(spans, impls, False)
+                self._described += told
+            except Exception:  # noqa: BLE001 - protected the usual way
+                self._pending += [ref for ref, _ in told]
+
+    def _flush(self) -> None:
+        if self._pending and self._fast is not None:
+            self._tell()  # the hook first: what it could not tell is described again below
+        super()._flush()
+
+    def attach_backend(self, backend: Any) -> None:
+        """The write hook this set's guard is attached to (None: detached). The compiled one is
+        told each saved tensor's memory as it is packed (see `adopt`)."""
+        fast = backend if backend is not None and hasattr(backend, "describe") else None
+        if fast is not None and self._compiled is None and not self._entries and not self._pending:
+            self._compiled = fast  # records from the one source the set reads them with (`records`)
+        if self._fast is not None and fast is None:
+            try:
+                self._flush()  # what it was told becomes entries: a later publication includes them
+            except Exception:  # noqa: BLE001
+                pass
+        self._fast = fast if fast is not None and self._compiled is fast else None
 
     def unpack(self, saved: Any) -> torch.Tensor:
         if type(saved) is not Saved:
@@ -300,12 +379,114 @@ class SavedSet(QueuedSet):
     def _entry(self, ref: Any, tensor: torch.Tensor, record: Any) -> Entry:
         info = ref.saved()
         site = info.site if info is not None else None
+        ref.key = id(tensor)  # its death drops this entry (`_forget_dead`)
         return Entry(_UNNAMED, record, ref, _site_text(site) if site is not None else None)
+
+    # -- deaths, and what the write hook is told ---------------------------------------
+    #
+    # Backward frees saved tensors one node at a time, and the allocator hands their memory to
+    # the next tensors, which are written in place (gradients accumulate): each such write
+    # meets memory the hook still has, and enters Python. There the dead entries are dropped
+    # by name (the references that died), not by a scan of every entry, and the hook is told
+    # the rest from a per-entry cache; the lookup index keeps the dead (they match nothing, their
+    # tensor is gone) until they outnumber the living.
+
+    def _on_death(self, ref: Any) -> None:
+        self._dirty = True
+        if getattr(ref, "key", None) is not None:
+            self._dead.append(ref)
+        elif type(ref) is not _TensorOf:  # a composed owner died (`_Lent.owner`): its entry is not named
+            self._dead_scan = True
+        else:  # told to the hook, no entry yet: the hook's memory is stale all the same
+            self._stale = True
+
+    def _forget_dead(self) -> None:
+        self._dirty = False
+        if self._drop_dead() or self._stale:
+            self._stale = False
+            self._republish()
+
+    def _drop_dead(self) -> bool:
+        dead: list[Any] = self._dead
+        self._dead = []
+        entries, published = self._entries, self._published
+        dropped = 0
+        if self._dead_scan:
+            self._dead_scan = False
+            keys = [k for k, e in entries.items() if e.ref() is None]
+        else:
+            keys = []
+            for ref in dead:
+                key = ref.key
+                entry = entries.get(key)
+                if entry is not None and entry.ref is ref:  # not a tensor protected since at the same address
+                    keys.append(key)
+        for key in keys:
+            entry = entries.pop(key, None)
+            if entry is not None:
+                dropped += 1
+                if published is not None:
+                    published.pop(id(entry), None)
+        self._garbage += dropped
+        return dropped > 0
+
+    def _republish(self) -> None:
+        """Tell the write hook the protected memory without the dead; the lookup index keeps them
+        (matching nothing) until they outnumber the living."""
+        if self._garbage > len(self._entries) + 64:
+            self._garbage = 0
+            self._memory.invalidate()
+        if self.on_index is not None:
+            self.on_index(None)
+
+    def _entered(self, added: list[Entry], known: list[Entry]) -> None:
+        """Only what the write hook was not told of at pack time is published now."""
+        self._remember(known)
+        if added:
+            self._rebuild_index(added)
+
+    def _remember(self, entries: list[Entry]) -> None:
+        """Keep what the write hook is told of `entries` (for the next whole publication)."""
+        published = self._published
+        if published is not None:
+            for entry in entries:
+                record = entry.record
+                if record[DEVICE] is not None:  # from C++: one span
+                    published[id(entry)] = ([(record[START], record[STOP])] if record[STOP] else [],
+                                            [record[IMPL]] if record[IMPL] is not None else [])
+                else:
+                    published[id(entry)] = (_records.intervals((record,)), _records.impls((record,)))
+
+    def _rebuild_index(self, added: Optional[list[Entry]] = None) -> None:
+        if added is None:
+            self._garbage = 0
+            self._published = None  # records may have changed: read them again
+        else:
+            self._remember(added)
+        super()._rebuild_index(added)
+
+    def _publication(self) -> dict[int, tuple[list[tuple[int, int]], list[int]]]:
+        published = self._published
+        if published is None:
+            published = self._published = {
+                id(e): (_records.intervals((e.record,)), _records.impls((e.record,))) for e in self._entries.values()}
+        return published
+
+    def intervals(self) -> list[tuple[int, int]]:
+        """The protected memory (`ProtectedSet.intervals`), with what was told to the hook at pack time."""
+        return [iv for ivs, _ in self._publication().values() for iv in ivs] + [
+            (record[START], record[STOP]) for ref, record in self._described if ref() is not None]
+
+    def identities(self) -> list[int]:
+        return [impl for _, impls in self._publication().values() for impl in impls] + [
+            record[IMPL] for ref, record in self._described if record[IMPL] is not None and ref() is not None]
 
     def boundary_changes(self, caller: Optional[types.FrameType], rescan: bool = True) -> list[Any]:
         """Nothing to compare at a boundary: fingerprints are off (a saved tensor's values are the
         version counter's to vouch for, checked at unpack), and no code of the user's holds
         the saved (detached) tensor objects to re-point them. Protects what waits, forgets the dead."""
+        if self._pending or self._described:
+            self._flush()
         return super().boundary_changes(caller, rescan)
 
     def settle(self) -> None:
@@ -315,7 +496,7 @@ class SavedSet(QueuedSet):
     def alive(self) -> int:
         """Saved tensors protected now."""
         return sum(1 for e in self._entries.values() if e.ref() is not None) + sum(
-            1 for ref in self._pending if ref() is not None)
+            1 for ref in self._pending if ref() is not None) + sum(1 for ref, _ in self._described if ref() is not None)
 
     # -- writes ----------------------------------------------------------------------
 
@@ -326,6 +507,8 @@ class SavedSet(QueuedSet):
         views share one version counter, so autograd's check at backward fails all the same.
         """
         self.counter_only = frozenset()
+        if self._pending or self._described:
+            self._flush()  # their entries: the lookup needs them
         if kind == "write" and any(t.layout == torch.sparse_coo for t in written):
             written = [_values_of(t) for t in written]
         hit = super().written_entries(written, kind, resizes)
@@ -415,6 +598,10 @@ class SavedSet(QueuedSet):
         self.closed = True
         self.followers.clear()
         self._pending.clear()
+        self._described.clear()
+        self._dead.clear()
+        self._published = {}
+        self._fast = None
         self._roots.clear()
         super().close()
 
