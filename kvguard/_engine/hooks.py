@@ -79,6 +79,11 @@ class HookEngine:
             attach_backend = getattr(judge.protected, "attach_backend", None)
             if attach_backend is not None:
                 attach_backend(self.backend)
+            # A set that admits a known batch of writes in C++ (an optimizer step's) and keeps
+            # what the other guards on this hook protect.
+            attach_hook = getattr(judge.protected, "attach_hook", None)
+            if attach_hook is not None:
+                attach_hook(self)
             try:
                 if len(self.judges) == 1:
                     self.backend.set_callback(self._on_write)
@@ -97,6 +102,9 @@ class HookEngine:
             attach_backend = getattr(judge.protected, "attach_backend", None)
             if attach_backend is not None:
                 attach_backend(None)
+            attach_hook = getattr(judge.protected, "attach_hook", None)
+            if attach_hook is not None:
+                attach_hook(None)
             self._unwatch_inference(judge)
             self._threads.pop(id(judge), None)
             if not self.judges:

@@ -64,6 +64,7 @@ class ModuleSet(ProtectedSet):
         self._holding: list[StepSet] = []  # the step sets whose tables hold their entries' digests
         self._guarded_modules: set[int] = set()  # ids of every module of the guarded trees
         self._step_sets: dict[tuple[int, ...], StepSet] = {}  # a step's parameters (ids) -> what it writes
+        self._hook: Any = None  # the write hook this set is attached to (`attach_hook`), where one is
         # Level "light" (no op is seen): the buffers that their modules update themselves are
         # taken again at each comparison, not compared (`_absorb_own_updates`).
         self.light = False
@@ -411,15 +412,15 @@ class ModuleSet(ProtectedSet):
             self._rebuild_index()  # the write hook no longer compares their memory
         return step
 
+    def attach_hook(self, hook: Any) -> None:
+        """The write hook engine this set is attached to (None: detached); it calls this."""
+        self._hook = hook
+
     def _admitting(self) -> tuple[Any, tuple[list[tuple[int, int]], list[int]]]:
         """The compiled write hook this set is published to, and what the other guards on it
         protect (kept while a step is admitted); None where there is none."""
-        if self.on_index is None:
-            return None, ([], [])
-        from kvguard._engine import choice as _choice
-
-        hook = _choice._hook_engines.get("compiled")
-        if hook is None or not any(j.protected is self for j in hook.judges) or not hasattr(hook.backend, "admit"):
+        hook = self._hook
+        if hook is None or not hasattr(hook.backend, "admit"):
             return None, ([], [])
         intervals: list[tuple[int, int]] = []
         identities: list[int] = []
