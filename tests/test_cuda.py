@@ -82,6 +82,8 @@ def test_capture_and_replay_inside_a_guard_with_a_protected_write() -> None:
 
 
 @cuda
+# The write was stopped before it ran, so the capture holds nothing: torch says so.
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
 def test_raise_during_capture_leaves_the_device_able_to_capture() -> None:
     data = {"x": torch.randn(16, device="cuda")}
     kept = data["x"].clone()
