@@ -84,8 +84,9 @@ def test_a_lora_merge_and_unmerge_pass_under_raise_and_are_counted(safe_merge: b
     assert g.report.ok, g.report.format()
     assert not torch.equal(before, stepped)
     assert list(g.report.allowed) == ["intended writer peft LoRA merge"]
-    # `+=` on `.data` is an add_ and a `.data =`; safe_merge re-points once; unmerge as `+=`
-    assert g.report.allowed["intended writer peft LoRA merge"] == (3 if safe_merge else 4)
+    # `+=` on `.data` is an add_ (its `.data =` lays out the same elements again: no re-point);
+    # safe_merge re-points once; unmerge as `+=`
+    assert g.report.allowed["intended writer peft LoRA merge"] == 2
 
 
 def test_the_same_write_outside_the_library_is_still_stopped_at_its_line() -> None:
@@ -118,7 +119,7 @@ def test_outside_its_version_range_a_writer_is_not_applied(monkeypatch: pytest.M
     layer = _library("peft.tuners.lora.layer")["Linear"](model[0], torch.ones(4, 4))
     with kvguard.guard_module(model, optimizer=opt, action="record") as g:
         layer.merge()
-    assert [e.op for e in g.report.events] == ["aten.add_.Tensor", "Tensor.data assignment"]
+    assert [e.op for e in g.report.events] == ["aten.add_.Tensor"]  # `.data +=`'s assignment is no re-point
     assert not g.report.allowed
     assert "not applied: peft 0.20.0 installed is outside >=0.21,<1" in _intended.describe(width=1000)
 
@@ -133,7 +134,7 @@ def test_user_scopes_still_work_beside_them() -> None:
             with kvguard.allow("re-initialise the head"):
                 model[1].weight.zero_()
     assert g.report.ok and g.report.allowed == {
-        "intended writer peft LoRA merge": 2, "allow=model.1.bias": 1, "kvguard.allow('re-initialise the head')": 1}
+        "intended writer peft LoRA merge": 1, "allow=model.1.bias": 1, "kvguard.allow('re-initialise the head')": 1}
 
 
 def test_weights_writers_are_not_autograd_writers_and_the_reverse() -> None:
