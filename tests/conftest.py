@@ -189,6 +189,9 @@ QUICK_LEAVES_OUT = {
         "test_a_consistent_clean_summary_is_clean_and_names_what_it_watched",
     "test_presets.py::test_nemo_rl_span_writes_through_expanded_advantages_are_caught_where_allowed":
         "a preset's scenario; kept: test_alias_writes (in-process), the slime preset's run",
+    "test_newcomer.py::test_autograd_and_weights_exit_lines_name_the_forward_pass_and_the_optimizer_step":
+        "kept: test_a_process_guards_site_line_without_a_moment_names_only_the_first_path (the words, "
+        "in-process), the weights switch's clean loop and the autograd switch's raise (each in a fresh process)",
 }
 
 
