@@ -526,3 +526,22 @@ def test_an_optimizer_made_where_a_freed_one_was_keeps_its_weights_watched() -> 
             found.append(len(g.report.events))
             del opt, model
     assert found == list(range(1, 21))
+
+
+def test_a_module_loaded_with_assign_updates_its_shared_batch_norm_statistics_unreported() -> None:
+    # PyTorch's test_load_state_dict_assign_meta: `load_state_dict(state, assign=True)` puts the
+    # state's tensors, views of the guarded module's buffers, into a module built on meta; its
+    # batch norm's own forward then updates the statistics both modules share.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.device("meta"):
+        loaded = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    with kvguard.guard_module(model, optimizer=opt, name="model", action="raise") as g:
+        loaded.load_state_dict(model.state_dict(), assign=True)
+        loaded(torch.randn(5, 3))  # batch norm's forward: running_mean, running_var, num_batches_tracked
+        with pytest.raises(kvguard.MutationError) as caught:
+            with torch.no_grad():
+                loaded[1].running_mean.add_(1)  # not batch norm's forward: a stray write
+    assert caught.value.event.path == "model.1.running_mean"
+    assert int(model[1].num_batches_tracked) == 1 and len(g.report.events) == 1
