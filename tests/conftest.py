@@ -189,6 +189,10 @@ QUICK_LEAVES_OUT = {
         "test_a_consistent_clean_summary_is_clean_and_names_what_it_watched",
     "test_presets.py::test_nemo_rl_span_writes_through_expanded_advantages_are_caught_where_allowed":
         "a preset's scenario; kept: test_alias_writes (in-process), the slime preset's run",
+    "integrations/test_megatron_schedule.py::test_protection_still_open_at_exit_is_checked_then":
+        "a process's exit; kept: the schedule's in-process tests, test_never_crash's exit checks",
+    "test_async_targets.py::test_the_repro_as_env_targets":
+        "kept: the async targets' in-process tests, test_importhook's env targets in a fresh process",
     "test_newcomer.py::test_autograd_and_weights_exit_lines_name_the_forward_pass_and_the_optimizer_step":
         "kept: test_a_process_guards_site_line_without_a_moment_names_only_the_first_path (the words, "
         "in-process), the weights switch's clean loop and the autograd switch's raise (each in a fresh process)",
