@@ -819,7 +819,7 @@ def on_data_assignment(listener: DataListener) -> Callable[[], None]:
     return remove
 
 
-def _same_elements(a: torch.Tensor, b: Any) -> bool:
+def same_elements(a: torch.Tensor, b: Any) -> bool:
     """Whether `b` lays out exactly `a`'s elements (`m.to(its own device)` in `Module._apply` does
     `p.data = p`): re-pointing `a` to them changes nothing anyone reads."""
     try:
@@ -832,7 +832,7 @@ def _same_elements(a: torch.Tensor, b: Any) -> bool:
 
 
 def _set_data(self: torch.Tensor, value: torch.Tensor) -> None:
-    if _same_elements(self, value):
+    if same_elements(self, value):
         _DATA.__set__(self, value)
         return
     afters: list[Callable[[bool], None]] = []

@@ -504,8 +504,8 @@ class ModuleSet(ProtectedSet):
                     return hit  # DDP's broadcast of the module's buffers and parameters
                 if name == "forward" and owner is not None:
                     own = _own_buffers(owner)
-                    intended += [e for e in hit if e not in intended
-                                 and (owners.get(id(e)) is owner or _elements(e.ref()) in own)]
+                    intended += [e for e in hit if e not in intended and (owners.get(id(e)) is owner or any(
+                        _torch.same_elements(b, e.ref()) for b in own))]
                 elif name == "_call_impl" and owner is not None:  # its hooks: spectral_norm's power iteration
                     intended += [e for e in hit if e not in intended and owners.get(id(e)) is owner
                                  and not isinstance(e.ref(), torch.nn.Parameter)]
@@ -611,26 +611,17 @@ class StepSet:
         self.backend: Any = None
 
 
-def _own_buffers(obj: Any) -> set[Any]:
-    """The elements of the buffers a module holds itself: its own forward may update them
-    (batch norm's statistics), whichever module they were guarded under
-    (`load_state_dict(state, assign=True)` puts the loaded tensors, views of the first
-    module's, into the new one)."""
+def _own_buffers(obj: Any) -> list[torch.Tensor]:
+    """The buffers a module holds itself: its own forward may update them (batch norm's
+    statistics), whichever module they were guarded under (`load_state_dict(state,
+    assign=True)` puts the loaded tensors, views of the first module's, into the new one)."""
     if not issubclass(type(obj), torch.nn.Module):
-        return set()
+        return []
     try:
         buffers = object.__getattribute__(obj, "__dict__").get("_buffers") or {}
-        return {key for b in buffers.values() if b is not None and (key := _elements(b)) is not None}
+        return [b for b in buffers.values() if b is not None]
     except Exception:  # noqa: BLE001 - a module that refuses attribute reads owns nothing here
-        return set()
-
-
-def _elements(t: Any) -> Any:
-    """Which elements a tensor is: its storage, offset, sizes and strides (None: not known)."""
-    try:
-        return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride())
-    except Exception:  # noqa: BLE001 - freed, a wrapper subclass, no storage
-        return None
+        return []
 
 
 def _is_conversion(frame: types.FrameType) -> bool:
