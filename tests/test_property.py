@@ -463,6 +463,12 @@ METADATA_OPS = ("t_", "unsqueeze_")
 VALUE_OPS = tuple(op for op in OPS if op not in METADATA_OPS and not op.startswith("oop_"))
 
 
+def _lays_out_the_same(a: torch.Tensor, b: Optional[torch.Tensor]) -> bool:
+    """Whether `b` views exactly `a`'s elements: same memory, shape, strides and dtype."""
+    return (b is not None and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.data_ptr() == b.data_ptr() != 0)
+
+
 def written_bytes(op: str, ts: list[torch.Tensor], i: int) -> frozenset[int]:
     """The oracle's value-write set of one op, from its targets' metadata."""
     if op.startswith("oop_") or op in METADATA_OPS:
@@ -735,6 +741,8 @@ class Runner:
                 hits |= {n for n in candidates if env[n] is ts[0] and ts[0].numel() == 0}
         elif kind in ("op", "thread") and step.op.startswith("oop_"):
             hits = set()
+        elif kind == "data" and _lays_out_the_same(env[step.name], partner):
+            hits = set()  # `p.data = p` (Module._apply's `.to()` of its own device) re-points nothing
         else:
             hits = {n for n in candidates if any(env[n] is o for o in objects)}
         if kind == "swap":
