@@ -59,6 +59,17 @@ WRITERS: tuple[Writer, ...] = (
         "merge_and_unload(), merge_adapter() and unmerge_adapter() fold the trained adapter into the base "
         "weights (trl's GRPO merges before each vLLM weight sync and unmerges after): the write the user asked for"),
     Writer(
+        "peft LoRA initialisation from the base weights", WEIGHTS, "peft", ">=0.21,<1", "0.21.2",
+        ("peft.tuners.lora.layer:*.pissa_init", "peft.tuners.lora.layer:*.olora_init",
+         "peft.tuners.lora.layer:*.corda_init", "peft.tuners.lora.layer:*.loftq_init",
+         "peft.tuners.lora.layer:*.lora_ga_init"),
+        "the base layer's weight: `base_layer.weight.data = weight - scaling * B @ A` (PiSSA, OLoRA, CorDA, "
+        "LoRA-GA), or its quantised form (LoftQ)",
+        "get_peft_model() with init_lora_weights='pissa', 'olora', 'corda', 'loftq' or 'lora_ga' moves the "
+        "principal part of each base weight into the adapter, so the model computes the same function: the "
+        "re-initialisation the user asked for (a false alarm when the weights were watched since a "
+        "load_state_dict())"),
+    Writer(
         "trl SyncRefModelCallback", WEIGHTS, "trl", ">=1.16,<2", "1.16.0",
         ("trl.trainer.callbacks:SyncRefModelCallback._sync_target_model",),
         "every parameter of the reference model: `ref.data.mul_(1 - alpha).add_(policy.data, alpha=alpha)`",

@@ -22,7 +22,8 @@ from kvguard.__main__ import main
 ENGINES = ("compiled", "kernels", "mode")
 per_engine = pytest.mark.parametrize("engine", ENGINES, indirect=True)
 
-# peft's `merge` and trl's `_sync_target_model` as they write, compiled under their module names.
+# peft's `merge` and data-driven LoRA inits and trl's `_sync_target_model` as they write, compiled under
+# their module names.
 LIBRARY_CODE = {
     "peft.tuners.lora.layer": '''
 class Linear:
@@ -36,7 +37,10 @@ class Linear:
             self.base_layer.weight.data += self.delta
     def unmerge(self):
         self.base_layer.weight.data -= self.delta
-''',
+''' + "".join(f'''
+    def {init}(self):  # moves the base weight's principal part into the adapter
+        self.base_layer.weight.data = self.base_layer.weight.data - self.delta
+''' for init in ("pissa_init", "olora_init", "corda_init", "loftq_init", "lora_ga_init")),
     "trl.trainer.callbacks": '''
 class SyncRefModelCallback:
     @staticmethod
@@ -87,6 +91,18 @@ def test_a_lora_merge_and_unmerge_pass_under_raise_and_are_counted(safe_merge: b
     # `+=` on `.data` is an add_ (its `.data =` lays out the same elements again: no re-point);
     # safe_merge re-points once; unmerge as `+=`
     assert g.report.allowed["intended writer peft LoRA merge"] == 2
+
+
+@pytest.mark.parametrize("init", ["pissa_init", "olora_init", "corda_init", "loftq_init", "lora_ga_init"])
+def test_a_lora_initialisation_from_the_base_weights_passes_after_a_load(init: str) -> None:
+    model, opt = _trained()
+    layer = _library("peft.tuners.lora.layer")["Linear"](model[0], torch.full((4, 4), 0.5))
+    with kvguard.guard_module(model, action="raise") as g:
+        model.load_state_dict(model.state_dict())  # watched from here on, as after loading a checkpoint
+        getattr(layer, init)()  # get_peft_model(init_lora_weights=...) re-points the base weight
+        with pytest.raises(kvguard.MutationError):
+            model[1].weight.data.mul_(2)  # another weight, outside the library: still stopped
+    assert dict(g.report.allowed) == {"intended writer peft LoRA initialisation from the base weights": 1}
 
 
 def test_the_same_write_outside_the_library_is_still_stopped_at_its_line() -> None:
@@ -146,7 +162,8 @@ def test_weights_writers_are_not_autograd_writers_and_the_reverse() -> None:
         layer.base_layer = type("B", (), {"weight": type("W", (), {"data": y})()})()
         layer.merge()  # writes what sigmoid saved, from peft's merge: not autograd's intended writer
     assert [e.path for e in g.report.events] == ["<saved by SigmoidBackward0: result>"]
-    assert {w.name for w in _intended.scopes("weights")} == {"peft LoRA merge", "trl SyncRefModelCallback"}
+    assert {w.name for w in _intended.scopes("weights")} == {"peft LoRA merge", "peft LoRA initialisation from the base weights",
+                                                                "trl SyncRefModelCallback"}
     assert {w.name for w in _intended.scopes("autograd")} == {"torch.autograd.gradcheck perturbation"}
 
 

@@ -96,6 +96,30 @@ merged = model.merge_and_unload(safe_merge=SAFE)
 torch.save({"losses": losses, "grads": grads, "weights": [t.clone() for t in merged.state_dict().values()]}, OUT)
 '''
 
+PISSA_JOB = '''
+import torch
+import transformers
+import peft
+torch.manual_seed(0)
+config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+model = transformers.LlamaForCausalLM(config)
+model.load_state_dict(model.state_dict())  # a checkpoint loaded by hand: the weights are watched from here on
+model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                   init_lora_weights=INIT))
+opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+losses, grads = [], []
+for _ in range(2):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    losses.append(loss.detach())
+    grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+    opt.step()
+    opt.zero_grad()
+torch.save({"losses": losses, "grads": grads, "weights": [t.clone() for t in model.state_dict().values()]}, OUT)
+'''
+
 TRL_JOB = '''
 import torch
 from accelerate import Accelerator
@@ -203,6 +227,13 @@ def test_peft_a_stray_write_to_an_adapter_is_caught_at_its_line(tmp_path: Path) 
     _needs("peft", "transformers")
     stderr = _caught(tmp_path, PEFT_JOB, "peft", 'weight.data.zero_()', SAFE=False)
     assert ("lora_B.default.weight would be modified in place by aten.zero_.default" in stderr)
+
+
+def test_peft_pissa_initialisation_after_a_load_is_intended_clean_and_bitwise(tmp_path: Path) -> None:
+    _needs("peft", "transformers")
+    lines = _clean_and_bitwise(tmp_path, PISSA_JOB, "pissa", INIT="pissa")
+    # 2 layers x (q_proj, v_proj): `base_layer.weight.data = weight - scaling * B @ A`
+    assert "  allowed: 4 writes by intended writer peft LoRA initialisation from the base weights" in lines
 
 
 def test_trl_reference_sync_is_intended_and_a_stray_write_to_the_reference_is_caught(tmp_path: Path) -> None:
