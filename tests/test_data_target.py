@@ -136,6 +136,39 @@ def test_getitems_names_each_sample_and_the_wrapping_goes_with_the_last_guard() 
     assert GPTDataset.__dict__["__getitem__"] is original and "__kvguard_data__" not in vars(Batched.__getitems__)
 
 
+@pytest.mark.parametrize("clone", [False, True], ids=["view", "copy"])
+def test_a_sample_returned_after_a_dropped_one_is_protected_too(clone: bool) -> None:
+    """A dropped sample's id is often the next one's (CPython reuses the memory): the next
+    sample must not be taken for one already waiting."""
+    class Rows(Dataset):  # type: ignore[type-arg]
+        def __init__(self) -> None:
+            self.rows = torch.zeros(8, 2)
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            return self.rows[i].clone() if clone else self.rows[i]
+
+    with kvguard.guard_data(action="record") as g:
+        ds, kept = Rows(), []
+        for i in range(8):
+            sample = ds[i]
+            if i % 2:
+                kept.append(sample)
+            del sample  # the even ones die before the next is returned
+        for sample in kept:
+            sample.add_(1)  # KEPT
+    assert [(e.path, e.lineno) for e in g.report.events] == [(f"Rows[{i}]", line_of("# KEPT")) for i in (1, 3, 5, 7)]
+    assert g.protected_count == 8
+
+
+def test_a_main_process_whose_workers_loaded_everything_says_it_checked_nothing_here(tmp_path: Path) -> None:
+    from kvguard._report.tally import DATA_LABEL, Tally
+
+    tally = Tally()
+    tally.target(DATA_LABEL).calls = 1  # the process guard was entered; no dataset returned a tensor here
+    assert tally.lines() == ["kvguard: data: no dataset returned a tensor here, so no write was checked "
+                             "(DataLoader workers say their own)"]
+
+
 JOB = textwrap.dedent("""\
     import sys
     import torch

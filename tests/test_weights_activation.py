@@ -117,7 +117,7 @@ def test_a_process_that_made_no_optimizer_says_so(tmp_path: Path) -> None:
     settings = {"KVGUARD": "raise", "KVGUARD_TARGETS": "weights,autograd"}
     result = run_python("-c", "import torch", **settings)
     assert result.stderr.strip().splitlines() == [
-        "kvguard: autograd: 0 saved tensors protected in 0 forward passes, no in-place writes",
+        "kvguard: autograd: no forward pass saved a tensor for backward here, so no write was checked",
         "kvguard: weights: no optimizer was made and no module loaded a state dict here, so no weight was watched"]
     quiet = run_python("-c", "pass", **settings)
     assert quiet.stderr == ""  # no torch here (a launcher's helper): nothing to say

@@ -41,7 +41,9 @@ class SampleSet(QueuedSet):
     """The tensors datasets returned while the guard was active, protected while they live."""
 
     def __init__(self, name: str) -> None:
-        self._queued: set[int] = set()  # ids of the tensors waiting in `_pending` (returned, not protected yet)
+        # the tensors waiting in `_pending` (returned, not protected yet), by id: a dead one's id
+        # may be a new tensor's already, so a match counts only when the reference is to it
+        self._queued: dict[int, _Returned] = {}
         self.samples = 0  # samples returned (a batch from `__getitems__` counts each)
         super().__init__(name)
 
@@ -52,10 +54,11 @@ class SampleSet(QueuedSet):
         for leaf in _tree.leaves_of(leaves):
             tensor = leaf.tensor
             key = id(tensor)
-            if key in self._queued or self.entry_of(tensor) is not None:
+            queued = self._queued.get(key)
+            if (queued is not None and queued() is tensor) or self.entry_of(tensor) is not None:
                 continue  # returned before (a cache, or an outer dataset passing an inner one's sample on)
-            self._queued.add(key)
-            self._pending.append(_Returned(tensor, self._on_death, leaf.path, placed))
+            ref = self._queued[key] = _Returned(tensor, self._on_death, leaf.path, placed)
+            self._pending.append(ref)
             self.protected_count += 1  # protected from now: a write looks at what waits first
 
     def _entry(self, ref: Any, tensor: torch.Tensor, record: Record) -> Entry:

@@ -218,6 +218,14 @@ DATA_LABEL = "data"  # what `guard_data` counts under, from code or KVGUARD_TARG
 PROCESS_LABELS = (AUTOGRAD_LABEL, WEIGHTS_LABEL, DATA_LABEL)  # one guard per process: no calls to count
 
 
+# A process guard that never held a tensor (a launcher that imports torch, a main process whose
+# DataLoader workers did the loading) says that, not "no in-place writes".
+NOTHING_SEEN = {
+    AUTOGRAD_LABEL: "no forward pass saved a tensor for backward here, so no write was checked",
+    DATA_LABEL: "no dataset returned a tensor here, so no write was checked (DataLoader workers say their own)",
+}
+
+
 def display_label(label: str) -> str:
     """A target as it was named (`m:f(rollout_data)`, `autograd`); a guard made in code by its name."""
     return label if ":" in label or label in PROCESS_LABELS else f"kvguard.guard({label})"
@@ -247,6 +255,8 @@ def _head(stats: TargetStats, sites: dict[SiteKey, SiteStats], calls: Optional[s
     the weights, `148 parameters and buffers watched over 12 optimizer steps, no in-place writes`."""
     if label in PROCESS_LABELS:
         writes = sum(site.writes for site in sites.values())
+        if not (stats.protected or sites or stats.allowed or stats.unprotected) and label in NOTHING_SEEN:
+            return NOTHING_SEEN[label]  # never "no in-place writes" of what was never looked at
         return (watched(label, stats.protected, stats.graphs, stats.steps)
                 + (f", {plural(writes, 'write')} at {plural(len(sites), 'site')}" if sites else
                    ", no in-place writes to them" if stats.unprotected else ", no in-place writes")
