@@ -121,6 +121,8 @@ def test_a_process_that_made_no_optimizer_says_so(tmp_path: Path) -> None:
         "kvguard: weights: no optimizer was made and no module loaded a state dict here, so no weight was watched"]
     quiet = run_python("-c", "pass", **settings)
     assert quiet.stderr == ""  # no torch here (a launcher's helper): nothing to say
+    agent = run_python("-c", "import torch.distributed.elastic.agent.server", **settings)
+    assert agent.returncode == 0 and agent.stderr == ""  # torchrun's agent: the ranks say their own lines
 
 
 def test_an_optimizers_weights_are_let_go_when_it_is_freed_and_a_loaded_copy_is_watched(tmp_path: Path) -> None:

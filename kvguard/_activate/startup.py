@@ -123,7 +123,7 @@ def _print_summary() -> None:
         from kvguard._activate import data as _data
 
         _data.stop()
-    if not STATE.patched and not PROCESS.tally.calls and _is_helper_process():
+    if not STATE.patched and not PROCESS.tally.held_anything() and _is_helper_process():
         return  # torchrun's agent, a DataLoader worker: not where the targets run
     settings = STATE.settings
     words_only = not settings.targets and not PROCESS.tally.calls  # `autograd`, `weights`, `data`: no function

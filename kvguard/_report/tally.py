@@ -196,6 +196,12 @@ class Tally:
             lines += _detail_lines(stats.sites, stats.allowed, label)
         return lines
 
+    def held_anything(self) -> bool:
+        """Whether a guarded call ran or a process guard (`autograd`, `weights`, `data`) held a
+        tensor or saw a write: entering a process guard alone is not that."""
+        return any(stats.protected or stats.sites or stats.allowed or stats.unprotected
+                   or (label not in PROCESS_LABELS and stats.active) for label, stats in self.targets.items())
+
     def counted(self, label: str) -> bool:
         """Whether a guard under `label` was entered (and counted) in this process."""
         stats = self.targets.get(label)
