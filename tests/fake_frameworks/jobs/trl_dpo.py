@@ -14,19 +14,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import datasets
 import torch
+from _tiny_llama import tiny_llama, tokenizer
 from datasets import Dataset
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from trl import DPOConfig, DPOTrainer
 
-WORDS = ["<pad>", "<eos>", "<unk>", *"abcdefghijklmnopqrstuvwxyz"]
 REFERENCE_SHIFT = 0.1
-
-
-def tokenizer() -> PreTrainedTokenizerFast:
-    inner = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    inner.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
 class MarginTrainer(DPOTrainer):
@@ -46,9 +38,7 @@ def main() -> None:
     torch.manual_seed(0)
     datasets.disable_progress_bars()
     tok = tokenizer()
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None))
+    model = tiny_llama(tok)
     ref_model = copy.deepcopy(model)
     pairs = Dataset.from_dict({"prompt": ["a b c", "d e f", "g h i", "j k l"] * 2,
                                "chosen": [" a e", " i o", " u a", " e i"] * 2,

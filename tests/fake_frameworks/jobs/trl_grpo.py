@@ -17,18 +17,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import datasets
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from _tiny_llama import tiny_llama, tokenizer
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-WORDS = ["<pad>", "<eos>", "<unk>", *"abcdefghijklmnopqrstuvwxyz"]
 ADVANTAGE_SCALE = 0.5
-
-
-def tokenizer() -> PreTrainedTokenizerFast:
-    inner = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    inner.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
 def reward_vowels(completions, **kwargs):
@@ -63,9 +55,7 @@ def main() -> None:
     torch.manual_seed(0)
     datasets.disable_progress_bars()
     tok = tokenizer()
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None))
+    model = tiny_llama(tok)
     prompts = datasets.Dataset.from_dict({"prompt": ["a b c", "d e f", "g h i", "j k l"] * 4})
     config, trainer = {"grpo": (GRPOConfig, GRPOTrainer), "rloo": (RLOOConfig, RLOOTrainer)}[opts.trainer]
     args = config(
