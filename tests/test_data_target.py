@@ -160,7 +160,7 @@ def test_a_sample_returned_after_a_dropped_one_is_protected_too(clone: bool) -> 
     assert g.protected_count == 8
 
 
-def test_a_main_process_whose_workers_loaded_everything_says_it_checked_nothing_here(tmp_path: Path) -> None:
+def test_a_main_process_whose_workers_loaded_everything_says_it_checked_nothing_here() -> None:
     from kvguard._report.tally import DATA_LABEL, Tally
 
     tally = Tally()
