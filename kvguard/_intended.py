@@ -70,11 +70,45 @@ WRITERS: tuple[Writer, ...] = (
         "re-initialisation the user asked for (a false alarm when the weights were watched since a "
         "load_state_dict())"),
     Writer(
+        "torch's initialisers", WEIGHTS, "torch", ">=2.4,<3", "2.13.0",
+        ("torch.nn.init:*", "torch.nn.modules.*:*.reset_parameters", "torch.nn.modules.*:*.reset_running_stats"),
+        "the tensor given (`torch.nn.init.normal_(w)`, `zeros_`, `orthogonal_` …), a module's own parameters "
+        "and statistics (`Linear.reset_parameters()`, `BatchNorm.reset_running_stats()`)",
+        "(re-)initialising a weight is the write the call asks for: a new head after a checkpoint was loaded, "
+        "or a layer reset mid-training on purpose"),
+    Writer(
+        "transformers weight initialisation and embedding resize", WEIGHTS, "transformers", ">=5.25,<6", "5.25.0",
+        ("transformers.initialization:*", "transformers.*:*._init_weights", "transformers.*:*._initialize_weights",
+         "transformers.*:*.initialize_weights", "transformers.*:*.init_weights",
+         "transformers.modeling_utils:*._resize_token_embeddings", "transformers.modeling_utils:*._get_resized_*"),
+        "the weights `_init_weights` initialises (`initialization.normal_` …); an embedding or LM head "
+        "re-pointed to its resized copy (`old_embeddings.weight.data = new_embeddings.weight.data`)",
+        "post_init() and init_weights() initialise new modules; resize_token_embeddings() after adding tokens "
+        "(a pad token, chat tokens) grows the embedding and head: both are what the user asked for, also after "
+        "a load_state_dict()"),
+    Writer(
         "trl SyncRefModelCallback", WEIGHTS, "trl", ">=1.16,<2", "1.16.0",
         ("trl.trainer.callbacks:SyncRefModelCallback._sync_target_model",),
         "every parameter of the reference model: `ref.data.mul_(1 - alpha).add_(policy.data, alpha=alpha)`",
         "TR-DPO / sync_ref_model=True (DPO, GRPO): the reference model is blended towards the policy every "
         "ref_model_sync_steps steps, by design"),
+    Writer(
+        "torch parametrizations", WEIGHTS, "torch", ">=2.4,<3", "2.13.0",
+        ("torch.nn.utils.parametrize:_maybe_set",),
+        "a parametrized tensor's `original` (the module's own Parameter object), re-pointed with `original.set_(...)` "
+        "(or torch.utils.swap_tensors): to `right_inverse(weight)` by register_parametrization(), to "
+        "`right_inverse(value)` by `module.weight = value`, to the parametrized value by "
+        "remove_parametrizations(leave_parametrized=True)",
+        "torch.nn.utils.parametrize keeps the Parameter object through these so the optimizer need not be told: "
+        "the re-initialisation the user asked for (PyTorch's test_parametrization.py stopped under raise)"),
+    Writer(
+        "torch lazy modules' initialisation", WEIGHTS, "torch", ">=2.4,<3", "2.13.0",
+        ("torch.nn.parameter:UninitializedTensorMixin.materialize", "torch.nn.modules.lazy:LazyModuleMixin._infer_parameters"),
+        "an UninitializedParameter (or buffer) of a lazy module, re-pointed with `.data = torch.empty(shape)` "
+        "when it is materialized, then initialised in place by the module's reset_parameters()",
+        "a LazyLinear, LazyConv or LazyBatchNorm infers its shapes in its first forward; PyTorch lets the optimizer "
+        "be made before that forward, over the uninitialized parameters, which become the real ones: their first "
+        "values, not a change to weights anyone trained"),
     Writer(
         "torch.autograd.gradcheck perturbation", AUTOGRAD, "torch", ">=2.4,<3", "2.13.0",
         ("torch.autograd.gradcheck:_compute_numerical_gradient",),

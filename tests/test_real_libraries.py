@@ -120,6 +120,29 @@ for _ in range(2):
 torch.save({"losses": losses, "grads": grads, "weights": [t.clone() for t in model.state_dict().values()]}, OUT)
 '''
 
+HEAD_JOB = '''
+import torch
+import transformers
+torch.manual_seed(0)
+config = transformers.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                 intermediate_size=64, num_labels=3)
+model = transformers.BertForSequenceClassification(config)
+model.load_state_dict(model.state_dict())  # a checkpoint loaded by hand: the weights are watched from here on
+model.resize_token_embeddings(136)  # a pad token and chat tokens added
+model._init_weights(model.classifier)  # a new head for this task
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+ids = torch.randint(0, 136, (2, 8), generator=torch.Generator().manual_seed(1))
+losses, grads = [], []
+for _ in range(2):
+    loss = model(input_ids=ids, labels=torch.tensor([0, 2])).loss
+    loss.backward()
+    losses.append(loss.detach())
+    grads.append([p.grad.clone() for p in model.parameters()])
+    opt.step()
+    opt.zero_grad()
+torch.save({"losses": losses, "grads": grads, "weights": [t.clone() for t in model.state_dict().values()]}, OUT)
+'''
+
 TRL_JOB = '''
 import torch
 from accelerate import Accelerator
@@ -234,6 +257,13 @@ def test_peft_pissa_initialisation_after_a_load_is_intended_clean_and_bitwise(tm
     lines = _clean_and_bitwise(tmp_path, PISSA_JOB, "pissa", INIT="pissa")
     # 2 layers x (q_proj, v_proj): `base_layer.weight.data = weight - scaling * B @ A`
     assert "  allowed: 4 writes by intended writer peft LoRA initialisation from the base weights" in lines
+
+
+def test_transformers_resize_and_a_new_head_after_a_load_are_intended_clean_and_bitwise(tmp_path: Path) -> None:
+    _needs("transformers")
+    lines = _clean_and_bitwise(tmp_path, HEAD_JOB, "head")
+    assert "  allowed: 1 write by intended writer transformers weight initialisation and embedding resize" in lines
+    assert "  allowed: 2 writes by intended writer torch's initialisers" in lines  # the head's weight and bias
 
 
 def test_trl_reference_sync_is_intended_and_a_stray_write_to_the_reference_is_caught(tmp_path: Path) -> None:
