@@ -176,6 +176,7 @@ class Guard:
             finally:
                 self._unhook_repoints()
         finally:
+            self._protected.final = True  # nothing is compared after this check
             unobserved = self._exit_check()
             self.keys_seen = frozenset(self._protected.keys_seen)
             self.protected_count = self._protected.protected_count

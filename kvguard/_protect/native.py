@@ -521,6 +521,8 @@ class NativeSet(ProtectedSet):
     def boundary_changes(self, caller: Any, rescan: bool = True) -> list[Change]:
         """`ProtectedSet.boundary_changes`; without `rescan` (the exit), a look at the containers
         that changed walks only what was placed, not the whole object again."""
+        if self.final and not rescan:
+            return self._final_changes()
         frames = list(_frames.user_frames(caller)) if caller is not None else None
         if rescan:
             self._scan(frames)
@@ -532,6 +534,32 @@ class NativeSet(ProtectedSet):
         if found:
             self.settle()
         self._sweep()
+        return found
+
+    def _final_changes(self) -> list[Change]:
+        """The guard's exit: what changed in the rows protected so far. A tensor placed since
+        the last look is counted (and its top-level key noted) but gets no row: first seen
+        now, it has nothing to be compared with, and the set closes next. So the exit reads
+        each protected byte once and walks only what was placed, not the whole object."""
+        watcher = self._watcher
+        placed = watcher.changed()
+        count = 0
+        if placed:
+            leaves = watcher.placed(final=True)
+            if leaves is None:  # only a full walk can tell (a store into a container it cannot diff)
+                leaves = watcher.walk_all()
+            row_of = self._table.row_of
+            count = len({id(t) for t in _tensors(leaves) if row_of(t) < 0})
+            del leaves
+            watcher.forget()  # what left the object dies now, unread, as after a full walk
+        with collector_paused():
+            found = self._changes_now()
+            if not found:
+                self.protected_count += count
+            elif placed:  # a report names where each tensor is now: the tree as it is (paths,
+                self._scan_now(None)  # aliases); the walk gives the placed tensors their rows and count
+        if found:
+            self.settle()
         return found
 
 

@@ -38,6 +38,9 @@ class ProtectedSet:
     judges_uncounted = True
     graphs = 0  # forward passes that saved what the set protects (autograd's only)
     steps = 0  # optimizer steps the set stepped aside for (the weights' only)
+    # Set by the guard just before its exit check: the set closes after it, so a tensor placed
+    # since the last look needs no digest (`NativeSet`); a pause's check is not final.
+    final = False
 
     def __init__(self, root: Any, name: str, keys: Optional[Collection[Any]], ignore: Collection[Any],
                  fingerprint: bool = True) -> None:

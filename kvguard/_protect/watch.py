@@ -85,12 +85,16 @@ class Watcher:
         """Whether a watched dict's keys changed (a rename moves paths with no placement)."""
         return any(map(_tree.keys_changed, self.segments))
 
-    def placed(self, touched: Optional[list[int]] = None) -> Optional[list[Any]]:
+    def placed(self, touched: Optional[list[int]] = None, final: bool = False) -> Optional[list[Any]]:
         """The tensors placed into the containers that changed (in the `touched` segments, if
         known already), walking only what is new; None when only a full walk can tell (`walk_all`).
 
         Costs in proportion to what was placed (and, for a store that is not an append, to
         the size of the container it went into), not to everything watched.
+
+        `final`: the last look before the watch closes (a guard's exit). A container that lost
+        a walked one, or a watch that doubled, then asks for no full walk (what is no longer
+        reachable is let go with the whole watch), and no new snapshot is taken.
         """
         leaves: list[Any] = []
         grown: list[Any] = []
@@ -99,7 +103,7 @@ class Watcher:
         for target, held in (pair for i in touched for pair in _tree.changed_at(self.segments[i])):
             owner = self.owners.get(id(target))
             diff = _tree.new_children(target, held) if owner is not None and target is owner.obj else None
-            if owner is None or (diff is not None and any(id(v) in self.walked for v in diff[1])):
+            if owner is None or (not final and diff is not None and any(id(v) in self.walked for v in diff[1])):
                 return None
             if diff is None:  # attributes, pytree nodes, mappings, probes: their container again
                 self.walked.pop(id(owner.obj), None)
@@ -120,6 +124,8 @@ class Watcher:
                                             owners=self.owners, runs=self.runs)
                 leaves += found
                 grown += watched
+        if final:
+            return leaves
         self.grown += len(grown)
         if self.grown > max(len(self.owners) - self.grown, 8):
             return None  # the watch doubled: drop what is no longer reachable
@@ -141,6 +147,13 @@ class Watcher:
     def watching(self) -> bool:
         """Whether a placement can happen: the guarded object has containers to watch."""
         return any(snap.containers or snap.probed for snap in self.segments)
+
+    def forget(self) -> None:
+        """Drop the snapshot and the containers walked, keeping the object and the keys seen: what
+        is no longer reachable from it can die now (as a full walk would let it)."""
+        self.segments = []
+        self.owners, self.walked = {}, {}
+        self.partial = False
 
     def close(self) -> None:
         """Drop every reference to the guarded object and its containers."""
