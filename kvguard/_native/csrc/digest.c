@@ -8,8 +8,8 @@
  *   the storage. For the others, a 64-bit digest of the element
  *   bytes in logical (row-major) order: order-sensitive (swapping two different
  *   elements changes it), of raw bits (an untouched NaN is no change), for any dtype.
- *   The bytes are hashed as one stream in logical order, 32 at a time in four
- *   independent lanes, so the loop runs at memory speed and the digest depends on the
+ *   The bytes are hashed as one stream in logical order, 64 at a time in eight
+ *   independent lanes (see `acc_t`), so the loop runs at memory speed and the digest depends on the
  *   values and the shape only, not on the memory layout (a transposed copy of equal
  *   values has the same digest). No copy of the tensor is made; strided rows are
  *   gathered through a 4 KB buffer. The GIL is released while hashing.
@@ -25,6 +25,9 @@
 
 #define MAX_DIMS 64
 #define PRIME 0x9E3779B97F4A7C15ULL
+#define PRIME32 0x9E3779B1ULL
+#define STRIPE 64          /* bytes: eight 64-bit lanes */
+#define STRIPES 16         /* stripes between two scrambles of the lanes */
 
 typedef struct {
     const unsigned char *data;
@@ -36,15 +39,36 @@ typedef struct {
     uint64_t result;
 } spec_t;
 
-/* A stream over the tensor's element bytes in logical order: 32-byte blocks go to four
- * independent lanes; bytes short of a block wait in `pend` for the next run, so the
- * result depends on the byte sequence only, never on where runs start in memory. */
+/* A stream over the tensor's element bytes in logical order, 64 bytes (a stripe) at a time:
+ * word i of a stripe goes to lane i, `lane += w + lo32(w ^ k) * hi32(w ^ k)` with a key `k`
+ * that depends on the lane and on the stripe's place among the STRIPES since the last
+ * scramble (so moving a word to another lane or stripe changes the digest), and every
+ * STRIPES stripes each lane is scrambled (`a ^= a >> 47; a ^= k; a *= PRIME32`), which makes
+ * the order of the groups count too. The additions and 32 x 32-bit products are
+ * independent across lanes: the loop runs at memory speed (AVX2 where the CPU has it, the
+ * same arithmetic in plain C otherwise; both give the same digest). Bytes short of a
+ * stripe wait in `pend` for the next run, so the result depends on the byte sequence only,
+ * never on where runs start in memory. Not cryptographic: it finds accidental writes. */
 typedef struct {
-    uint64_t lane[4];
-    uint64_t count;
-    unsigned char pend[32];
+    uint64_t lane[8];
+    uint64_t stripes; /* stripes fed so far */
+    uint64_t count;   /* bytes fed so far */
+    unsigned char pend[STRIPE];
     size_t npend;
 } acc_t;
+
+static uint64_t KEYS[STRIPES * 8 + 8]; /* per (stripe in the group, lane), then the scramble's */
+
+static void init_keys(void)
+{
+    uint64_t x = 0x243F6A8885A308D3ULL; /* splitmix64 from pi's digits: fixed for every process */
+    for (int i = 0; i < STRIPES * 8 + 8; i++) {
+        uint64_t z = (x += PRIME);
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+        KEYS[i] = z ^ (z >> 31);
+    }
+}
 
 static inline uint64_t mix(uint64_t h, uint64_t w)
 {
@@ -52,41 +76,90 @@ static inline uint64_t mix(uint64_t h, uint64_t w)
     return h ^ (h >> 29);
 }
 
-static inline void block(acc_t *a, const unsigned char *p)
+/* `n` whole stripes from `p`: the reference arithmetic. */
+static void stripes_c(acc_t *a, const unsigned char *p, size_t n)
 {
-    uint64_t w[4];
-    memcpy(w, p, 32);
-    a->lane[0] = mix(a->lane[0], w[0]);
-    a->lane[1] = mix(a->lane[1], w[1]);
-    a->lane[2] = mix(a->lane[2], w[2]);
-    a->lane[3] = mix(a->lane[3], w[3]);
+    uint64_t lane[8];
+    memcpy(lane, a->lane, sizeof lane);
+    size_t k = (size_t)(a->stripes % STRIPES);
+    for (size_t j = 0; j < n; j++, p += STRIPE) {
+        const uint64_t *key = KEYS + k * 8;
+        for (int i = 0; i < 8; i++) {
+            uint64_t w, x;
+            memcpy(&w, p + 8 * i, 8);
+            x = w ^ key[i];
+            lane[i] += w + (x & 0xFFFFFFFFULL) * (x >> 32);
+        }
+        if (++k == STRIPES) {
+            k = 0;
+            for (int i = 0; i < 8; i++) {
+                uint64_t v = lane[i];
+                v ^= v >> 47;
+                v ^= KEYS[STRIPES * 8 + i];
+                lane[i] = v * PRIME32;
+            }
+        }
+    }
+    memcpy(a->lane, lane, sizeof lane);
+    a->stripes += n;
 }
+
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_AVX2_PATH 1
+
+/* The same arithmetic on two 256-bit registers (lanes 0-3, 4-7). */
+__attribute__((target("avx2"))) static void stripes_avx2(acc_t *a, const unsigned char *p, size_t n)
+{
+    __m256i l0 = _mm256_loadu_si256((const __m256i *)a->lane);
+    __m256i l1 = _mm256_loadu_si256((const __m256i *)(a->lane + 4));
+    const __m256i p32 = _mm256_set1_epi64x((long long)PRIME32);
+    const __m256i s0 = _mm256_loadu_si256((const __m256i *)(KEYS + STRIPES * 8));
+    const __m256i s1 = _mm256_loadu_si256((const __m256i *)(KEYS + STRIPES * 8 + 4));
+    size_t k = (size_t)(a->stripes % STRIPES);
+    for (size_t j = 0; j < n; j++, p += STRIPE) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)p);
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + 32));
+        const __m256i x0 = _mm256_xor_si256(w0, _mm256_loadu_si256((const __m256i *)(KEYS + k * 8)));
+        const __m256i x1 = _mm256_xor_si256(w1, _mm256_loadu_si256((const __m256i *)(KEYS + k * 8 + 4)));
+        l0 = _mm256_add_epi64(l0, _mm256_add_epi64(w0, _mm256_mul_epu32(x0, _mm256_srli_epi64(x0, 32))));
+        l1 = _mm256_add_epi64(l1, _mm256_add_epi64(w1, _mm256_mul_epu32(x1, _mm256_srli_epi64(x1, 32))));
+        if (++k == STRIPES) {
+            k = 0;
+            l0 = _mm256_xor_si256(_mm256_xor_si256(l0, _mm256_srli_epi64(l0, 47)), s0);
+            l1 = _mm256_xor_si256(_mm256_xor_si256(l1, _mm256_srli_epi64(l1, 47)), s1);
+            /* v * PRIME32 mod 2^64 = lo32(v) * PRIME32 + (hi32(v) * PRIME32) << 32 */
+            l0 = _mm256_add_epi64(_mm256_mul_epu32(l0, p32),
+                                  _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(l0, 32), p32), 32));
+            l1 = _mm256_add_epi64(_mm256_mul_epu32(l1, p32),
+                                  _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(l1, 32), p32), 32));
+        }
+    }
+    _mm256_storeu_si256((__m256i *)a->lane, l0);
+    _mm256_storeu_si256((__m256i *)(a->lane + 4), l1);
+    a->stripes += n;
+}
+#endif
+
+static void (*stripes)(acc_t *, const unsigned char *, size_t) = stripes_c;
 
 static void feed(acc_t *a, const unsigned char *p, size_t nbytes)
 {
     a->count += nbytes;
-    if (a->npend) { /* top up the pending block first */
-        size_t take = 32 - a->npend < nbytes ? 32 - a->npend : nbytes;
+    if (a->npend) { /* top up the pending stripe first */
+        size_t take = STRIPE - a->npend < nbytes ? STRIPE - a->npend : nbytes;
         memcpy(a->pend + a->npend, p, take);
         a->npend += take, p += take, nbytes -= take;
-        if (a->npend < 32)
+        if (a->npend < STRIPE)
             return;
-        block(a, a->pend);
+        stripes(a, a->pend, 1);
         a->npend = 0;
     }
-    uint64_t h0 = a->lane[0], h1 = a->lane[1], h2 = a->lane[2], h3 = a->lane[3];
-    for (; nbytes >= 32; nbytes -= 32, p += 32) { /* the hot loop: registers only */
-        uint64_t w0, w1, w2, w3;
-        memcpy(&w0, p, 8);
-        memcpy(&w1, p + 8, 8);
-        memcpy(&w2, p + 16, 8);
-        memcpy(&w3, p + 24, 8);
-        h0 = mix(h0, w0);
-        h1 = mix(h1, w1);
-        h2 = mix(h2, w2);
-        h3 = mix(h3, w3);
+    size_t whole = nbytes / STRIPE;
+    if (whole) {
+        stripes(a, p, whole);
+        p += whole * STRIPE, nbytes -= whole * STRIPE;
     }
-    a->lane[0] = h0, a->lane[1] = h1, a->lane[2] = h2, a->lane[3] = h3;
     memcpy(a->pend, p, nbytes);
     a->npend = nbytes;
 }
@@ -94,16 +167,20 @@ static void feed(acc_t *a, const unsigned char *p, size_t nbytes)
 static uint64_t finish(acc_t *a)
 {
     if (a->npend) {
-        memset(a->pend + a->npend, 0, 32 - a->npend);
-        block(a, a->pend);
+        memset(a->pend + a->npend, 0, STRIPE - a->npend);
+        stripes(a, a->pend, 1);
     }
-    return mix(mix(mix(mix(a->count, a->lane[0]), a->lane[1]), a->lane[2]), a->lane[3]);
+    uint64_t h = mix(0x13198A2E03707344ULL, a->count);
+    for (int i = 0; i < 8; i++)
+        h = mix(h, a->lane[i]);
+    return h;
 }
 
 static uint64_t digest_one(const spec_t *s)
 {
-    acc_t a = {{0x243F6A8885A308D3ULL, 0x13198A2E03707344ULL, 0xA4093822299F31D0ULL, 0x082EFA98EC4E6C89ULL},
-               0, {0}, 0};
+    acc_t a = {{0x243F6A8885A308D3ULL, 0x13198A2E03707344ULL, 0xA4093822299F31D0ULL, 0x082EFA98EC4E6C89ULL,
+                0x452821E638D01377ULL, 0xBE5466CF34E90C6CULL, 0xC0AC29B7C97C50DDULL, 0x3F84D5B5B5470917ULL},
+               0, 0, {0}, 0};
     Py_ssize_t numel = 1;
     for (int d = 0; d < s->ndim; d++)
         numel *= s->sizes[d];
@@ -254,7 +331,35 @@ typedef struct {
 
 static kvguard_digest_api api = {1, MAX_DIMS, digest_strided};
 
+/* _path(name=None) -> str: the stripe loop in use ("avx2" or "c"); `name` switches to it (tests
+ * compare the two). */
+static PyObject *path(PyObject *self, PyObject *args)
+{
+    const char *name = NULL;
+    if (!PyArg_ParseTuple(args, "|z", &name))
+        return NULL;
+#ifdef HAVE_AVX2_PATH
+    const char *now = stripes == stripes_avx2 ? "avx2" : "c";
+#else
+    const char *now = "c";
+#endif
+    if (name != NULL) {
+        if (strcmp(name, "c") == 0)
+            stripes = stripes_c;
+#ifdef HAVE_AVX2_PATH
+        else if (strcmp(name, "avx2") == 0 && __builtin_cpu_supports("avx2"))
+            stripes = stripes_avx2;
+#endif
+        else {
+            PyErr_Format(PyExc_ValueError, "_path(): no stripe loop %s here", name);
+            return NULL;
+        }
+    }
+    return PyUnicode_FromString(now);
+}
+
 static PyMethodDef methods[] = {
+    {"_path", path, METH_VARARGS, "_path(name=None): the stripe loop in use; switches to `name` if given"},
     {"digest", digest, METH_VARARGS,
      "digest(specs): a 64-bit digest of each (data_ptr, itemsize, sizes, strides) tensor's element bytes"},
     {NULL, NULL, 0, NULL},
@@ -265,6 +370,12 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvguard._native.dige
 PyMODINIT_FUNC
 PyInit_digest(void)
 {
+    init_keys();
+#ifdef HAVE_AVX2_PATH
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2"))
+        stripes = stripes_avx2;
+#endif
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
