@@ -51,7 +51,7 @@ class AutogradGuard(Guard):
         from kvguard import _torch
         from kvguard._protect import saved as _saved
 
-        _torch.let_func_transforms_run(lambda pack: isinstance(getattr(pack, "__self__", None), _saved.SavedSet))
+        _torch.let_func_transforms_run(_saved.is_own_pack)
         _torch.compose_saved_tensors_hooks(_saved.compose)
         pack = _torch.top_saved_tensors_pack()
         outer = _saved.set_of(pack) if pack is not None else None
@@ -62,11 +62,11 @@ class AutogradGuard(Guard):
         super().__enter__()
         if self._outer is not None:  # inside another guard_autograd: its packs are this one's too
             self._outer.followers.append(self._protected)
+            self._outer._sync()  # its packs go through Python while they are this one's too
         elif not self.delegated:
             import torch
 
-            saved = self._protected
-            self._hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack)
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(*self._protected.hooks())
             self._hooks.__enter__()
         return self
 
@@ -77,6 +77,7 @@ class AutogradGuard(Guard):
         outer, self._outer = self._outer, None
         if outer is not None and self._protected in outer.followers:
             outer.followers.remove(self._protected)
+            outer._sync()
         if self._protected is not None:
             self.graphs = self._protected.graphs
             self.unprotected = self._protected.unprotected

@@ -50,3 +50,39 @@ class Table:
     def clear(self) -> None: ...
     def nbytes(self) -> int: ...
     def live(self) -> int: ...
+
+class Saved:
+    """What the C pack kept of a saved tensor (kvguard._protect.saved.Saved's attributes)."""
+
+    tensor: Any
+    version: int
+    site: Optional[tuple[str, int]]
+    saver: Optional[str]
+    writes: list[str]
+    read_by: Optional[int]
+    burst: Any
+    task: Optional[int]
+    registered: bool  # one of the hook's saved rows: writes to it are candidates while it lives
+
+class SavedHooks:
+    """autograd's pack and unpack hooks in C for a SavedSet (csrc/write_hook.cpp); what needs Python
+    goes to its `pack`, `unpack` and `read`."""
+
+    owner: Any
+    fast: bool
+    backward_since_pack: bool
+    burst: Any
+    bursts: int
+    bursts_read: int
+    tasks: int
+    packed: int
+    def __init__(self, owner: Any, pack: Callable[[Any], Any], unpack: Callable[[Any], Any],
+                 read: Callable[[Any], None], internal_files: dict[str, bool],
+                 first_user_line: Callable[[Any], Any], burst_type: type, parameter_type: type) -> None: ...
+    def pack(self, tensor: Any) -> Any: ...
+    def unpack(self, saved: Any) -> Any: ...
+    def count_task(self, task: int) -> bool: ...
+    def drain(self) -> list[Saved]: ...
+    def alive(self) -> tuple[int, int]: ...
+    def roots(self) -> list[Any]: ...
+    def release(self) -> None: ...

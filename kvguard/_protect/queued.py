@@ -46,6 +46,8 @@ class QueuedSet(ProtectedSet):
     def _flush(self) -> None:
         if self._dirty:  # forget the dead first: entries of freed tensors never pile up
             self._forget_dead()
+        if not self._pending and not self._described:
+            return  # nothing waits: the lookup index stands
         with collector_paused():  # a batch of new objects: no collection over the whole heap midway
             live = [(ref, tensor) for ref in self._pending if (tensor := ref()) is not None]
             self._pending.clear()  # the watch compares it with an empty snapshot again

@@ -67,8 +67,38 @@ class Saved:
         self.burst: Optional[_Burst] = None  # the forward stretch that saved it (`SavedSet.graphs`)
         self.task: Optional[int] = None  # the backward pass that first read it
 
-    def path(self) -> str:
-        return f"{SAVED_PREFIX}{self.saver}>" if self.saver else f"{SAVED_PREFIX}a node not found>"
+
+
+def _path(saved: Any) -> str:
+    """How a report names a saved tensor: `<saved by SigmoidBackward0: result>`."""
+    return f"{SAVED_PREFIX}{saved.saver}>" if saved.saver else f"{SAVED_PREFIX}a node not found>"
+
+
+class _State:
+    """What a set counts of its forward stretches and backward passes (`SavedSet.graphs`): kept by
+    the C hooks (`kvguard._native.write_hook.SavedHooks`, the same attributes) where they pack."""
+
+    __slots__ = ("backward_since_pack", "burst", "bursts", "bursts_read", "tasks", "_recent")
+
+    def __init__(self) -> None:
+        self.backward_since_pack = True
+        self.burst: Optional[_Burst] = None  # the forward stretch saving now (`graphs`)
+        self.bursts = self.bursts_read = self.tasks = 0
+        self._recent: collections.deque[int] = collections.deque(maxlen=64)
+
+    def count_task(self, task: int) -> bool:
+        """Count backward pass `task` unless it is one of the last 64 counted."""
+        if task in self._recent:
+            return False
+        self._recent.append(task)
+        self.tasks += 1
+        return True
+
+
+def _native_hooks() -> Any:
+    """`kvguard._native.write_hook`, when it is loaded and has the C saved-tensor hooks."""
+    module = sys.modules.get("kvguard._native.write_hook")
+    return module if module is not None and hasattr(module, "SavedHooks") else None
 
 
 class _Burst:
@@ -202,10 +232,10 @@ class SavedSet(QueuedSet):
         self._thread = threading.get_ident()
         self.counter_only: frozenset[int] = frozenset()
         self.followers: list[SavedSet] = []  # sets of guard_autograd blocks entered inside this one
-        self._burst: Optional[_Burst] = None  # the forward stretch saving now (`graphs`)
-        self._bursts = self._bursts_read = self._tasks = 0
-        self._recent_tasks: collections.deque[int] = collections.deque(maxlen=64)
-        self._backward_since_pack = True
+        # The C hooks (`hooks`), once made: they pack plain tensors without Python, and keep `_state`.
+        self._hooks_c: Any = None
+        self._counted = 0  # tensors protected by the Python pack (`protected_count`)
+        self._state: Any = _State()
         self.unprotected = 0  # other hooks' stretches not composed with ours, and tensors a composed pack could not hold
         self.closed = False
         # The compiled write hook, while this set is attached to it (`attach_backend`): each saved
@@ -221,6 +251,42 @@ class SavedSet(QueuedSet):
         super().__init__(name, fingerprint=fingerprint)
 
     # -- the hooks -------------------------------------------------------------------
+
+    def hooks(self) -> tuple[Any, Any]:
+        """The (pack, unpack) pair to install: in C where the compiled write hook is loaded
+        (`kvguard._native.write_hook.SavedHooks`, which leaves to `pack`/`unpack` what needs
+        Python), else `pack` and `unpack` themselves."""
+        native = _native_hooks()
+        if native is None:
+            return self.pack, self.unpack
+        if self._hooks_c is None:
+            global _SAVED_TYPES, _HOOKS_TYPE
+            _SAVED_TYPES, _HOOKS_TYPE = (Saved, native.Saved), native.SavedHooks
+            state = self._state
+            hooks = native.SavedHooks(self, self.pack, self.unpack, self.read, _frames._internal_files,
+                                      _frames.first_user_line, _Burst, torch.nn.Parameter)
+            hooks.backward_since_pack, hooks.burst = state.backward_since_pack, state.burst
+            hooks.bursts, hooks.bursts_read, hooks.tasks = state.bursts, state.bursts_read, state.tasks
+            self._hooks_c = self._state = hooks
+            self._sync()
+        return self._hooks_c.pack, self._hooks_c.unpack
+
+    def _sync(self) -> None:
+        """C packs while the compiled hook is attached and no nested block's set shares the packs."""
+        hooks = self._hooks_c
+        if hooks is not None:
+            hooks.fast = self._fast is not None and not self.closed and not self.followers
+
+    @property
+    def protected_count(self) -> int:
+        """Tensors protected so far, by either pack."""
+        hooks = self._hooks_c
+        return self._counted + (hooks.packed if hooks is not None else 0)
+
+    @protected_count.setter
+    def protected_count(self, value: int) -> None:
+        hooks = self._hooks_c
+        self._counted = value - (hooks.packed if hooks is not None else 0)
 
     def pack(self, tensor: torch.Tensor) -> Any:
         try:
@@ -249,11 +315,12 @@ class SavedSet(QueuedSet):
         """Protect what `ref` gives from now on: its memory told to the compiled write hook now
         (its entry made at the next look), or, where that cannot be, from the next look on."""
         if saved.burst is None and _torch.current_graph_task_id() == -1:  # saved inside backward: its pass counts it
-            if self._backward_since_pack or self._burst is None:
-                self._backward_since_pack = False
-                self._burst = _Burst()
-                self._bursts += 1
-            saved.burst = self._burst
+            state = self._state
+            if state.backward_since_pack or state.burst is None:
+                state.backward_since_pack = False
+                state.burst = _Burst()
+                state.bursts += 1
+            saved.burst = state.burst
         self._pending.append(ref)
         self.protected_count += 1  # protected from now: a write looks at what waits first
         if tensor.requires_grad:  # a start for the search of savers (`_find_savers`)
@@ -279,10 +346,21 @@ class SavedSet(QueuedSet):
 
     def _tell(self) -> None:
         """Tell the compiled write hook the memory of what waits; what it cannot describe (sparse,
-        meta, subclasses) or must watch otherwise (inference tensors) is protected the usual way."""
+        meta, subclasses) or must watch otherwise (inference tensors) is protected the usual way.
+
+        What C packs made is drained here too: the hook knows it already (a saved row), so it is
+        described for its entry, not told again."""
         fast = self._fast
         live = [(ref, tensor) for ref in self._pending if (tensor := ref()) is not None]
         self._pending.clear()  # the watch compares it with an empty snapshot again
+        hooks = self._hooks_c
+        if hooks is not None:
+            for saved in hooks.drain():
+                ref = _TensorOf(saved, self._on_death)
+                if (tensor := ref()) is not None:
+                    live.append((ref, tensor))
+        if not live:
+            return
         try:
             records = fast.describe([tensor for _, tensor in live], _torch.PLAIN, False)
         except Exception:  # noqa: BLE001 - Python describes them (`_flush`)
@@ -292,22 +370,24 @@ class SavedSet(QueuedSet):
         told = []
         for (ref, _), record in zip(live, records):
             if record is not None and record[STOP] and record[DEVICE] is not None and not record[INFERENCE]:
-                spans.append((record[START], record[STOP]))
-                if record[IMPL] is not None:
-                    impls.append(record[IMPL])
+                if not _in_rows(ref):
+                    spans.append((record[START], record[STOP]))
+                    if record[IMPL] is not None:
+                        impls.append(record[IMPL])
                 told.append((ref, record))
             else:
                 self._pending.append(ref)
         del live
         if told:
             try:
-                fast.add_protected(spans, impls, False)
+                if spans or impls:
+                    fast.add_protected(spans, impls, False)
                 self._described += told
             except Exception:  # noqa: BLE001 - protected the usual way
                 self._pending += [ref for ref, _ in told]
 
     def _flush(self) -> None:
-        if self._pending and self._fast is not None:
+        if self._fast is not None and (self._pending or self._hooks_c is not None):
             self._tell()  # the hook first: what it could not tell is described again below
         super()._flush()
 
@@ -322,17 +402,25 @@ class SavedSet(QueuedSet):
                 self._flush()  # what it was told becomes entries: a later publication includes them
             except Exception:  # noqa: BLE001
                 pass
+            self._release()
         self._fast = fast if fast is not None and self._compiled is fast else None
+        self._sync()
+
+    def _release(self) -> None:
+        """C packs' rows leave the write hook: their entries are published the usual way from now."""
+        if self._hooks_c is not None:
+            self._hooks_c.release()
+            self._published = None
 
     def unpack(self, saved: Any) -> torch.Tensor:
-        if type(saved) is not Saved:
+        if type(saved) not in _SAVED_TYPES:
             return saved  # type: ignore[no-any-return]  # a tensor pack could not keep
         tensor = saved.tensor
         assert tensor is not None  # kept by our pack (a composed one's comes back through `Composed.unpack`)
         if tensor._version != saved.version:
             raise RuntimeError(self._version_error(saved))
         self.read(saved)
-        return tensor
+        return tensor  # type: ignore[no-any-return]  # a Saved of either pack
 
     def read(self, saved: Saved) -> None:
         """Backward unpacked `saved`: counted with its graph, and its node may now use it as scratch."""
@@ -342,22 +430,22 @@ class SavedSet(QueuedSet):
         task = _torch.current_graph_task_id()
         if task == -1 or saved.task is not None:
             return  # read outside backward (`grad_fn._saved_x`), or again (retain_graph)
-        self._backward_since_pack = True
+        state = self._state
+        state.backward_since_pack = True
         saved.task = task
         for target in [self, *self.followers]:
-            if task not in target._recent_tasks:
-                target._recent_tasks.append(task)
-                target._tasks += 1
+            target._state.count_task(task)
         burst = saved.burst
         if burst is not None and not burst.read:
             burst.read = True
-            self._bursts_read += 1
+            state.bursts_read += 1
 
     @property
     def graphs(self) -> int:  # type: ignore[override]
         """Graphs that saved what this set protected: each backward pass that read a tensor no
         other had read, and each forward stretch whose tensors no backward read."""
-        return self._tasks + self._bursts - self._bursts_read
+        state = self._state
+        return int(state.tasks + state.bursts - state.bursts_read)
 
     def _version_error(self, saved: Saved) -> str:
         """PyTorch's words for a saved tensor written since, then what kvguard saw."""
@@ -451,6 +539,8 @@ class SavedSet(QueuedSet):
         if published is not None:
             for entry in entries:
                 record = entry.record
+                if _in_rows(entry.ref):
+                    continue  # the write hook's saved rows have it, for as long as it lives
                 if record[DEVICE] is not None:  # from C++: one span
                     published[id(entry)] = ([(record[START], record[STOP])] if record[STOP] else [],
                                             [record[IMPL]] if record[IMPL] is not None else [])
@@ -469,23 +559,25 @@ class SavedSet(QueuedSet):
         published = self._published
         if published is None:
             published = self._published = {
-                id(e): (_records.intervals((e.record,)), _records.impls((e.record,))) for e in self._entries.values()}
+                id(e): (_records.intervals((e.record,)), _records.impls((e.record,))) for e in self._entries.values()
+                if not _in_rows(e.ref)}
         return published
 
     def intervals(self) -> list[tuple[int, int]]:
         """The protected memory (`ProtectedSet.intervals`), with what was told to the hook at pack time."""
         return [iv for ivs, _ in self._publication().values() for iv in ivs] + [
-            (record[START], record[STOP]) for ref, record in self._described if ref() is not None]
+            (record[START], record[STOP]) for ref, record in self._described if ref() is not None and not _in_rows(ref)]
 
     def identities(self) -> list[int]:
         return [impl for _, impls in self._publication().values() for impl in impls] + [
-            record[IMPL] for ref, record in self._described if record[IMPL] is not None and ref() is not None]
+            record[IMPL] for ref, record in self._described
+            if record[IMPL] is not None and ref() is not None and not _in_rows(ref)]
 
     def boundary_changes(self, caller: Optional[types.FrameType], rescan: bool = True) -> list[Any]:
         """Nothing to compare at a boundary: fingerprints are off (a saved tensor's values are the
         version counter's to vouch for, checked at unpack), and no code of the user's holds
         the saved (detached) tensor objects to re-point them. Protects what waits, forgets the dead."""
-        if self._pending or self._described:
+        if self._pending or self._described or self._hooks_c is not None:
             self._flush()
         return super().boundary_changes(caller, rescan)
 
@@ -495,8 +587,10 @@ class SavedSet(QueuedSet):
     @property
     def alive(self) -> int:
         """Saved tensors protected now."""
+        undrained = self._hooks_c.alive()[1] if self._hooks_c is not None else 0
         return sum(1 for e in self._entries.values() if e.ref() is not None) + sum(
-            1 for ref in self._pending if ref() is not None) + sum(1 for ref, _ in self._described if ref() is not None)
+            1 for ref in self._pending if ref() is not None) + sum(
+            1 for ref, _ in self._described if ref() is not None) + undrained
 
     # -- writes ----------------------------------------------------------------------
 
@@ -507,8 +601,8 @@ class SavedSet(QueuedSet):
         views share one version counter, so autograd's check at backward fails all the same.
         """
         self.counter_only = frozenset()
-        if self._pending or self._described:
-            self._flush()  # their entries: the lookup needs them
+        if self._pending or self._described or (self._hooks_c is not None and any(map(_has_memory, written))):
+            self._flush()  # their entries: the lookup needs them (what C packed: only where it may be met)
         if kind == "write" and any(t.layout == torch.sparse_coo for t in written):
             written = [_values_of(t) for t in written]
         hit = super().written_entries(written, kind, resizes)
@@ -549,7 +643,7 @@ class SavedSet(QueuedSet):
         for entry in sorted(hit, key=lambda e: (s := self.saved_of(e)) is None or s.saver is None):  # named first
             saved = self.saved_of(entry)
             if saved is not None:
-                entry.path = saved.path()
+                entry.path = _path(saved)
             key = _memory_key(entry)
             same = first.get(key)
             if same is None:
@@ -577,6 +671,8 @@ class SavedSet(QueuedSet):
         if not unnamed:
             return
         roots = [t for ref in self._roots if (t := ref()) is not None] + _caller_tensors(sys._getframe(2))
+        if self._hooks_c is not None:
+            roots += self._hooks_c.roots()
         stack = [n for t in roots if (n := _grad_fn(t)) is not None]
         kept: list[Any] = []  # wrappers held while walked, so their ids stay theirs
         seen: set[int] = set()
@@ -589,7 +685,7 @@ class SavedSet(QueuedSet):
             for slot, data in _torch.saved_slots(node):
                 if type(data) is Kept:  # saved under composed hooks
                     data = data.saved
-                if type(data) is Saved and data.saver is None:
+                if type(data) in _SAVED_TYPES and data.saver is None:
                     data.saver = f"{type(node).__name__}: {slot}"
                     unnamed.pop(id(data), None)
             stack += _torch.next_nodes(node)
@@ -597,6 +693,7 @@ class SavedSet(QueuedSet):
     def close(self) -> None:
         self.closed = True
         self.followers.clear()
+        self._release()
         self._pending.clear()
         self._described.clear()
         self._dead.clear()
@@ -607,6 +704,8 @@ class SavedSet(QueuedSet):
 
 
 _TENSOR = torch.Tensor
+_SAVED_TYPES: tuple[type, ...] = (Saved,)  # and the C pack's (`SavedSet.hooks`)
+_HOOKS_TYPE: Optional[type] = None  # kvguard._native.write_hook.SavedHooks, once used
 _ATTRIBUTES_SAID = False
 ATTRIBUTES_LINE = (
     "kvguard: autograd: a Parameter saved for backward carries Python attributes ({names}); under "
@@ -629,6 +728,19 @@ def _say_attributes(tensor: torch.Tensor) -> None:
     if names:
         _ATTRIBUTES_SAID = True
         say(ATTRIBUTES_LINE.format(names=", ".join(names[:6]) + (", ..." if len(names) > 6 else "")))
+
+
+def _has_memory(tensor: torch.Tensor) -> bool:
+    """Whether a write to `tensor` may change, or bump the counter of, a tensor the C pack saved:
+    not when its storage has no memory (a fresh empty tensor, which the write hook sends to
+    Python for its identity; what C packs always has element memory, and its views share it)."""
+    try:
+        return tensor.layout != torch.strided or type(tensor) not in _PLAIN or tensor.untyped_storage().data_ptr() != 0
+    except Exception:  # noqa: BLE001 - a subclass without a storage: looked at
+        return True
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _values_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -666,10 +778,23 @@ def _same_view(entry: Entry, written: Sequence[torch.Tensor]) -> bool:
 
 def set_of(pack: Any) -> Optional[SavedSet]:
     """The `SavedSet` behind a pack hook of kvguard's (its own, or composed with another's)."""
-    owner = getattr(pack, "__self__", None)
-    if isinstance(owner, Composed):
-        return owner.owner
+    owner: Any = getattr(pack, "__self__", None)
+    if type(owner) is Composed or (_HOOKS_TYPE is not None and type(owner) is _HOOKS_TYPE):
+        owner = getattr(owner, "owner", None)
     return owner if isinstance(owner, SavedSet) else None
+
+
+def is_own_pack(pack: Any) -> bool:
+    """Whether `pack` is a guard_autograd's own pack hook (not one composed with another's)."""
+    owner = getattr(pack, "__self__", None)
+    return isinstance(owner, SavedSet) or (_HOOKS_TYPE is not None and type(owner) is _HOOKS_TYPE)
+
+
+def _in_rows(ref: Any) -> bool:
+    """Whether an entry's Saved is one of the write hook's saved rows (made by the C pack, its
+    set still attached): the hook checks writes to it, and forgets it when it dies."""
+    saved: Any = ref.saved() if type(ref) is _TensorOf else None
+    return saved is not None and type(saved) is not Saved and bool(saved.registered)
 
 
 def compose(pack: Any, unpack: Any) -> Optional[tuple[Any, Any]]:

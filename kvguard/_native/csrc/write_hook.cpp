@@ -64,14 +64,19 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
+
+#include <structmember.h>
 
 #include <algorithm>
 #include <iterator>
 #include <atomic>
 #include <cstdint>
 #include <map>
+#include <mutex>
 #include <memory>
 #include <optional>
 #include <set>
@@ -279,6 +284,55 @@ bool watched_changed() {
   return false;
 }
 
+// ---- saved rows: what autograd saved, known to the check in C++ --------------------------
+// The tensors kvguard's C pack hook (SavedHooks, below) protects, one row each: the bytes its
+// elements span and the Saved object that holds it. A row goes the moment its Saved dies
+// (autograd released it: its backward ran, or its graph was freed), so a write to memory
+// that a freed saved tensor left (backward's gradients reuse it at once) is never a
+// candidate, and never enters Python. Rows are keyed by their start; live rows of distinct
+// storages never overlap, views of one storage may: a lookup walks back at most as far as
+// the longest row reaches.
+struct SavedRow {
+  uintptr_t stop;
+  PyObject* saved;  // borrowed: the row goes before its Saved does
+};
+std::mutex g_saved_mu;  // the rows, their count's changes and the longest span
+std::multimap<uintptr_t, SavedRow>* g_saved_rows = new std::multimap<uintptr_t, SavedRow>();
+std::atomic<size_t> g_saved_count{0};
+uintptr_t g_saved_longest = 0;
+
+// Whether [lo, hi) meets the elements of a live saved tensor. Any thread.
+bool saved_rows_meet(uintptr_t lo, uintptr_t hi) {
+  if (hi == 0 || g_saved_count.load(std::memory_order_acquire) == 0) return false;
+  std::lock_guard<std::mutex> lock(g_saved_mu);
+  auto it = g_saved_rows->lower_bound(hi);  // the first row starting at or after hi
+  while (it != g_saved_rows->begin()) {
+    --it;
+    if (it->second.stop > lo) return true;
+    if (it->first + g_saved_longest <= lo) break;  // no row starting here or before reaches lo
+  }
+  return false;
+}
+
+void saved_row_add(uintptr_t start, uintptr_t stop, PyObject* saved) {
+  std::lock_guard<std::mutex> lock(g_saved_mu);
+  g_saved_rows->emplace(start, SavedRow{stop, saved});
+  g_saved_longest = std::max(g_saved_longest, stop - start);
+  g_saved_count.fetch_add(1, std::memory_order_release);
+}
+
+void saved_row_remove(uintptr_t start, PyObject* saved) {
+  std::lock_guard<std::mutex> lock(g_saved_mu);
+  auto range = g_saved_rows->equal_range(start);
+  for (auto it = range.first; it != range.second; ++it) {
+    if (it->second.saved == saved) {
+      g_saved_rows->erase(it);
+      if (g_saved_count.fetch_sub(1, std::memory_order_release) == 1) g_saved_longest = 0;
+      return;
+    }
+  }
+}
+
 // ---- the check ---------------------------------------------------------------------------
 
 // Whether `t` could be (part of) a protected tensor: one of the protected identities, or
@@ -320,6 +374,7 @@ bool is_candidate(const at::Tensor& t, const Protected* protected_) {
   } catch (...) {
     return true;
   }
+  if (saved_rows_meet(lo, hi)) return true;
   if (protected_ == nullptr) return false;
   return (protected_->bulk && meets(*protected_->bulk, impl, lo, hi)) || meets(protected_->recent, impl, lo, hi);
 }
@@ -1223,6 +1278,525 @@ PyObject* py_writes(PyObject*, PyObject*) {
 }
 
 
+// ---- autograd's pack and unpack hooks in C ---------------------------------------------------
+// kvguard._protect.saved's hooks, for the common case, without a Python frame: SavedHooks'
+// pack keeps a Saved (the tensor detached, its version, the user's line that saved it) and
+// registers its elements as a saved row (above); unpack makes autograd's version check and
+// counts the read. What needs Python is sent to the set's own Python hooks (`py_pack`,
+// `py_unpack`, `py_read`): subclasses other than Parameter, Parameters with attributes,
+// memory describe() cannot read (sparse, nested, meta, inference tensors), a version
+// mismatch (the error's text), and every pack while `fast` is off (no compiled hook
+// attached, nested guard_autograd blocks, a closed set). A Saved's entry in the set is made
+// only when Python judges a write (`drain`). Everything here runs with the GIL.
+
+constexpr int64_t kNoInt = INT64_MIN;  // read_by / task: None
+
+struct SavedObject {
+  PyObject_HEAD
+  at::Tensor tensor;       // detached: the same memory and version counter, no grad_fn
+  int64_t version;
+  PyObject* code;          // the user's frame's code, its line found when asked (`site`)
+  int lasti;
+  PyObject* site;          // (co_filename, line) or None; nullptr: from `code`, not read yet
+  PyObject* saver;         // the rest as kvguard._protect.saved.Saved's (nullptr: None)
+  PyObject* writes;        // a list, made when first asked
+  PyObject* burst;
+  int64_t read_by;
+  int64_t task;
+  uintptr_t row_start;     // its saved row's key
+  PyObject* hooks;         // borrowed: whose row it has (nullptr: none)
+  bool drained;            // handed to Python (`SavedHooks.drain`)
+  PyObject* weakrefs;
+};
+
+PyTypeObject* saved_type();
+
+void saved_unregister(SavedObject* s) {
+  if (s->hooks != nullptr) {
+    saved_row_remove(s->row_start, (PyObject*)s);
+    s->hooks = nullptr;
+  }
+}
+
+void saved_dealloc(SavedObject* s) {
+  saved_unregister(s);
+  if (s->weakrefs != nullptr) PyObject_ClearWeakRefs((PyObject*)s);
+  Py_CLEAR(s->code);
+  Py_CLEAR(s->site);
+  Py_CLEAR(s->saver);
+  Py_CLEAR(s->writes);
+  Py_CLEAR(s->burst);
+  s->tensor.~Tensor();
+  Py_TYPE(s)->tp_free((PyObject*)s);
+}
+
+PyObject* saved_get_tensor(SavedObject* s, void*) {
+  if (!s->tensor.defined()) Py_RETURN_NONE;
+  return THPVariable_Wrap(s->tensor);
+}
+
+PyObject* saved_get_version(SavedObject* s, void*) { return PyLong_FromLongLong(s->version); }
+
+PyObject* saved_get_site(SavedObject* s, void*) {
+  if (s->site == nullptr) {
+    if (s->code == nullptr) Py_RETURN_NONE;
+    PyCodeObject* code = (PyCodeObject*)s->code;
+    const int line = PyCode_Addr2Line(code, s->lasti);
+    s->site = Py_BuildValue("(Oi)", code->co_filename, line);
+    if (s->site == nullptr) return nullptr;
+    Py_CLEAR(s->code);
+  }
+  return Py_NewRef(s->site);
+}
+
+int saved_set_site(SavedObject* s, PyObject* value, void*) {
+  Py_XSETREF(s->site, Py_NewRef(value != nullptr ? value : Py_None));
+  Py_CLEAR(s->code);
+  return 0;
+}
+
+PyObject* saved_get_writes(SavedObject* s, void*) {
+  if (s->writes == nullptr && (s->writes = PyList_New(0)) == nullptr) return nullptr;
+  return Py_NewRef(s->writes);
+}
+
+int saved_set_writes(SavedObject* s, PyObject* value, void*) {
+  Py_XSETREF(s->writes, Py_XNewRef(value));
+  return 0;
+}
+
+PyObject* int_or_none(int64_t v) { return v == kNoInt ? Py_NewRef(Py_None) : PyLong_FromLongLong(v); }
+
+int set_int_or_none(int64_t* into, PyObject* value) {
+  if (value == nullptr || value == Py_None) {
+    *into = kNoInt;
+    return 0;
+  }
+  const long long v = PyLong_AsLongLong(value);
+  if (v == -1 && PyErr_Occurred()) return -1;
+  *into = v;
+  return 0;
+}
+
+PyObject* saved_get_read_by(SavedObject* s, void*) { return int_or_none(s->read_by); }
+int saved_set_read_by(SavedObject* s, PyObject* v, void*) { return set_int_or_none(&s->read_by, v); }
+PyObject* saved_get_task(SavedObject* s, void*) { return int_or_none(s->task); }
+int saved_set_task(SavedObject* s, PyObject* v, void*) { return set_int_or_none(&s->task, v); }
+
+PyObject* object_or_none(PyObject* o) { return Py_NewRef(o != nullptr ? o : Py_None); }
+int set_object(PyObject** into, PyObject* value) {
+  Py_XSETREF(*into, value == nullptr || value == Py_None ? nullptr : Py_NewRef(value));
+  return 0;
+}
+PyObject* saved_get_saver(SavedObject* s, void*) { return object_or_none(s->saver); }
+int saved_set_saver(SavedObject* s, PyObject* v, void*) { return set_object(&s->saver, v); }
+PyObject* saved_get_burst(SavedObject* s, void*) { return object_or_none(s->burst); }
+int saved_set_burst(SavedObject* s, PyObject* v, void*) { return set_object(&s->burst, v); }
+
+PyObject* saved_get_registered(SavedObject* s, void*) { return PyBool_FromLong(s->hooks != nullptr); }
+
+PyGetSetDef saved_getset[] = {
+    {"registered", (getter)saved_get_registered, nullptr, "whether it is a saved row of the write hook", nullptr},
+    {"tensor", (getter)saved_get_tensor, nullptr, "the tensor autograd reads back (detached)", nullptr},
+    {"version", (getter)saved_get_version, nullptr, "its version when saved", nullptr},
+    {"site", (getter)saved_get_site, (setter)saved_set_site, "(co_filename, line) that saved it, or None", nullptr},
+    {"saver", (getter)saved_get_saver, (setter)saved_set_saver, "'SigmoidBackward0: result', once named", nullptr},
+    {"writes", (getter)saved_get_writes, (setter)saved_set_writes, "writes reported on it", nullptr},
+    {"read_by", (getter)saved_get_read_by, (setter)saved_set_read_by, "the node that last unpacked it", nullptr},
+    {"burst", (getter)saved_get_burst, (setter)saved_set_burst, "the forward stretch that saved it", nullptr},
+    {"task", (getter)saved_get_task, (setter)saved_set_task, "the backward pass that first read it", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+PyTypeObject* saved_type() {
+  static PyTypeObject type = [] {
+    PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
+    t.tp_name = "kvguard._native.write_hook.Saved";
+    t.tp_basicsize = sizeof(SavedObject);
+    t.tp_dealloc = (destructor)saved_dealloc;
+    t.tp_flags = Py_TPFLAGS_DEFAULT;
+    t.tp_doc = "What kvguard's C pack hook kept of a saved tensor (see kvguard._protect.saved.Saved).";
+    t.tp_getset = saved_getset;
+    t.tp_weaklistoffset = offsetof(SavedObject, weakrefs);
+    return t;
+  }();
+  return &type;
+}
+
+constexpr int kRecentTasks = 64;
+constexpr int kRoots = 64;
+
+struct HooksObject {
+  PyObject_HEAD
+  PyObject* owner;           // the SavedSet
+  PyObject* py_pack;         // its Python hooks, for what C leaves to them
+  PyObject* py_unpack;
+  PyObject* py_read;
+  PyObject* internal_files;  // kvguard._protect.frames._internal_files: co_filename -> internal
+  PyObject* first_user_line; // kvguard._protect.frames.first_user_line, for a file not in it yet
+  PyObject* burst_type;      // kvguard._protect.saved._Burst
+  PyObject* parameter_type;  // torch.nn.Parameter
+  PyObject* burst;           // the forward stretch saving now (nullptr: none)
+  char fast;                 // C packs (else every pack goes to py_pack)
+  char backward_since_pack;
+  long long bursts, bursts_read, tasks, packed;
+  int64_t recent[kRecentTasks];  // backward passes counted last (a ring)
+  int recent_count, recent_next;
+  std::vector<WeakImpl>* roots;  // recently saved tensors that require grad (a ring)
+  int roots_next;
+};
+
+PyTypeObject* hooks_type();
+
+void hooks_release_rows(HooksObject* h) {
+  std::vector<SavedObject*> mine;
+  {
+    std::lock_guard<std::mutex> lock(g_saved_mu);
+    for (auto it = g_saved_rows->begin(); it != g_saved_rows->end();) {
+      SavedObject* s = (SavedObject*)it->second.saved;
+      if (s->hooks == (PyObject*)h) {
+        mine.push_back(s);
+        it = g_saved_rows->erase(it);
+        if (g_saved_count.fetch_sub(1, std::memory_order_release) == 1) g_saved_longest = 0;
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (SavedObject* s : mine) s->hooks = nullptr;
+}
+
+int hooks_traverse(HooksObject* h, visitproc visit, void* arg) {
+  Py_VISIT(h->owner);
+  Py_VISIT(h->py_pack);
+  Py_VISIT(h->py_unpack);
+  Py_VISIT(h->py_read);
+  Py_VISIT(h->internal_files);
+  Py_VISIT(h->first_user_line);
+  Py_VISIT(h->burst_type);
+  Py_VISIT(h->parameter_type);
+  Py_VISIT(h->burst);
+  return 0;
+}
+
+int hooks_clear(HooksObject* h) {
+  h->fast = 0;
+  Py_CLEAR(h->owner);
+  Py_CLEAR(h->py_pack);
+  Py_CLEAR(h->py_unpack);
+  Py_CLEAR(h->py_read);
+  Py_CLEAR(h->internal_files);
+  Py_CLEAR(h->first_user_line);
+  Py_CLEAR(h->burst_type);
+  Py_CLEAR(h->parameter_type);
+  Py_CLEAR(h->burst);
+  return 0;
+}
+
+void hooks_dealloc(HooksObject* h) {
+  PyObject_GC_UnTrack(h);
+  hooks_release_rows(h);
+  hooks_clear(h);
+  delete h->roots;
+  Py_TYPE(h)->tp_free((PyObject*)h);
+}
+
+PyObject* hooks_new(PyTypeObject* type, PyObject* args, PyObject*) {
+  PyObject *owner, *pack, *unpack, *read, *files, *first, *burst_type, *parameter_type;
+  if (!PyArg_ParseTuple(args, "OOOOO!OOO", &owner, &pack, &unpack, &read, &PyDict_Type, &files, &first,
+                        &burst_type, &parameter_type)) {
+    return nullptr;
+  }
+  HooksObject* h = (HooksObject*)type->tp_alloc(type, 0);
+  if (h == nullptr) return nullptr;
+  h->owner = Py_NewRef(owner);
+  h->py_pack = Py_NewRef(pack);
+  h->py_unpack = Py_NewRef(unpack);
+  h->py_read = Py_NewRef(read);
+  h->internal_files = Py_NewRef(files);
+  h->first_user_line = Py_NewRef(first);
+  h->burst_type = Py_NewRef(burst_type);
+  h->parameter_type = Py_NewRef(parameter_type);
+  h->backward_since_pack = 1;
+  h->roots = new std::vector<WeakImpl>();
+  return (PyObject*)h;
+}
+
+// Whether `obj` is a tensor C packs: a plain Tensor, or a Parameter with no attribute of the
+// user's (Python says once that ctx.saved_tensors will not carry them: `_say_attributes`).
+bool packs_in_c(HooksObject* h, PyObject* obj) {
+  PyTypeObject* type = Py_TYPE(obj);
+  if ((PyObject*)type == THPVariableClass) return true;
+  if ((PyObject*)type != h->parameter_type) return false;
+  PyObject** dict = _PyObject_GetDictPtr(obj);
+  if (dict == nullptr || *dict == nullptr) return true;
+  PyObject *key, *value;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(*dict, &pos, &key, &value)) {
+    if (!PyUnicode_Check(key)) return false;
+    if (PyUnicode_READ_CHAR(key, 0) != '_' || PyUnicode_CompareWithASCIIString(key, "__fsdp_param__") == 0)
+      return false;
+  }
+  return true;
+}
+
+// The innermost frame outside torch, kvguard and wrapt, as kvguard._protect.frames decides:
+// its code and last instruction into `s` (the line is read when a report asks), or its
+// site from Python when a file is not classified yet. False: a Python error.
+bool find_site(HooksObject* h, SavedObject* s) {
+  PyFrameObject* frame = PyEval_GetFrame();  // borrowed
+  Py_XINCREF(frame);
+  while (frame != nullptr) {
+    PyCodeObject* code = PyFrame_GetCode(frame);  // new reference
+    PyObject* internal = PyDict_GetItemWithError(h->internal_files, code->co_filename);
+    if (internal == nullptr) {
+      Py_DECREF(code);
+      if (PyErr_Occurred()) {
+        Py_DECREF(frame);
+        return false;
+      }
+      s->site = PyObject_CallOneArg(h->first_user_line, (PyObject*)frame);
+      Py_DECREF(frame);
+      return s->site != nullptr;
+    }
+    if (internal == Py_False) {
+#if PY_VERSION_HEX >= 0x030B0000
+      s->lasti = PyFrame_GetLasti(frame);
+      if (s->lasti >= 0) {
+        s->code = (PyObject*)code;
+      } else {
+        s->site = Py_BuildValue("(Oi)", code->co_filename, PyFrame_GetLineNumber(frame));
+        Py_DECREF(code);
+      }
+#else
+      s->site = Py_BuildValue("(Oi)", code->co_filename, PyFrame_GetLineNumber(frame));
+      Py_DECREF(code);
+#endif
+      Py_DECREF(frame);
+      return s->code != nullptr || s->site != nullptr;
+    }
+    Py_DECREF(code);
+    PyFrameObject* back = PyFrame_GetBack(frame);
+    Py_DECREF(frame);
+    frame = back;
+  }
+  s->site = Py_NewRef(Py_None);
+  return true;
+}
+
+PyObject* hooks_pack(HooksObject* h, PyObject* obj) {
+  if (!h->fast || !packs_in_c(h, obj)) return PyObject_CallOneArg(h->py_pack, obj);
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  Described d;
+  at::Tensor alias;
+  int64_t version = 0;
+  try {
+    describe_tensor(t, d, false, 0);
+    if (!d.plain || d.stop == 0 || d.inference) return PyObject_CallOneArg(h->py_pack, obj);
+    version = (int64_t)t._version();
+    alias = t.detach();
+  } catch (...) {
+    return PyObject_CallOneArg(h->py_pack, obj);  // Python copes with what threw
+  }
+  SavedObject* s = (SavedObject*)saved_type()->tp_alloc(saved_type(), 0);
+  if (s == nullptr) return nullptr;
+  new (&s->tensor) at::Tensor(std::move(alias));
+  s->version = version;
+  s->read_by = s->task = kNoInt;
+  if (!find_site(h, s)) {
+    Py_DECREF(s);
+    return nullptr;
+  }
+  if (torch::autograd::get_current_graph_task_id() == -1) {  // saved outside backward: its pass counts it
+    if (h->backward_since_pack || h->burst == nullptr) {
+      PyObject* burst = PyObject_CallNoArgs(h->burst_type);
+      if (burst == nullptr) {
+        Py_DECREF(s);
+        return nullptr;
+      }
+      h->backward_since_pack = 0;
+      Py_XSETREF(h->burst, burst);
+      ++h->bursts;
+    }
+    s->burst = Py_NewRef(h->burst);
+  }
+  ++h->packed;
+  if (t.requires_grad()) {  // a start for the search of savers
+    WeakImpl weak(t.getIntrusivePtr());
+    if ((int)h->roots->size() < kRoots) {
+      h->roots->push_back(std::move(weak));
+    } else {
+      (*h->roots)[(size_t)h->roots_next] = std::move(weak);
+    }
+    h->roots_next = (h->roots_next + 1) % kRoots;
+  }
+  s->row_start = d.start;
+  s->hooks = (PyObject*)h;
+  saved_row_add(d.start, d.stop, (PyObject*)s);
+  return (PyObject*)s;
+}
+
+// A backward pass not counted lately: counted now (true).
+bool hooks_count_task(HooksObject* h, int64_t task) {
+  const int n = std::min(h->recent_count, kRecentTasks);
+  for (int i = 0; i < n; ++i)
+    if (h->recent[i] == task) return false;
+  h->recent[h->recent_next] = task;
+  h->recent_next = (h->recent_next + 1) % kRecentTasks;
+  ++h->recent_count;
+  ++h->tasks;
+  return true;
+}
+
+PyObject* hooks_count_task_py(HooksObject* h, PyObject* arg) {
+  const long long task = PyLong_AsLongLong(arg);
+  if (task == -1 && PyErr_Occurred()) return nullptr;
+  return PyBool_FromLong(hooks_count_task(h, task));
+}
+
+PyObject* g_read_name = nullptr;  // "read", interned
+
+PyObject* hooks_unpack(HooksObject* h, PyObject* obj) {
+  if (Py_TYPE(obj) != saved_type()) return PyObject_CallOneArg(h->py_unpack, obj);
+  SavedObject* s = (SavedObject*)obj;
+  try {
+    if (!s->tensor.defined() || (int64_t)s->tensor._version() != s->version)
+      return PyObject_CallOneArg(h->py_unpack, obj);  // its error, in PyTorch's words and kvguard's
+  } catch (...) {
+    return PyObject_CallOneArg(h->py_unpack, obj);
+  }
+  if (!h->fast) {
+    PyObject* r = PyObject_CallOneArg(h->py_read, obj);
+    if (r == nullptr) return nullptr;
+    Py_DECREF(r);
+    return THPVariable_Wrap(s->tensor);
+  }
+  // As SavedSet.read: its node may now use it as scratch; the first read counts its graph.
+  auto node = torch::autograd::get_current_node();
+  if (node) s->read_by = (int64_t)node->sequence_nr();
+  const int task = torch::autograd::get_current_graph_task_id();
+  if (task != -1 && s->task == kNoInt) {
+    h->backward_since_pack = 1;
+    s->task = task;
+    hooks_count_task(h, task);
+    if (s->burst != nullptr) {
+      if (g_read_name == nullptr && (g_read_name = PyUnicode_InternFromString("read")) == nullptr) return nullptr;
+      PyObject* read = PyObject_GetAttr(s->burst, g_read_name);
+      if (read == nullptr) return nullptr;
+      const int was = PyObject_IsTrue(read);
+      Py_DECREF(read);
+      if (was < 0) return nullptr;
+      if (!was) {
+        if (PyObject_SetAttr(s->burst, g_read_name, Py_True) < 0) return nullptr;
+        ++h->bursts_read;
+      }
+    }
+  }
+  return THPVariable_Wrap(s->tensor);
+}
+
+// The Saveds this set's C pack made that Python has no entry for yet, alive; from now on it has.
+PyObject* hooks_drain(HooksObject* h, PyObject*) {
+  PyObject* out = PyList_New(0);
+  if (out == nullptr) return nullptr;
+  std::vector<PyObject*> found;
+  {
+    std::lock_guard<std::mutex> lock(g_saved_mu);
+    for (auto& [start, row] : *g_saved_rows) {
+      SavedObject* s = (SavedObject*)row.saved;
+      if (s->hooks == (PyObject*)h && !s->drained) found.push_back(row.saved);
+    }
+  }
+  for (PyObject* s : found) {
+    ((SavedObject*)s)->drained = true;
+    if (PyList_Append(out, s) < 0) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+  }
+  return out;
+}
+
+// How many Saveds of this set's C pack are alive, and how many of them Python has no entry for.
+PyObject* hooks_alive(HooksObject* h, PyObject*) {
+  long long alive = 0, undrained = 0;
+  std::lock_guard<std::mutex> lock(g_saved_mu);
+  for (auto& [start, row] : *g_saved_rows) {
+    SavedObject* s = (SavedObject*)row.saved;
+    if (s->hooks == (PyObject*)h) {
+      ++alive;
+      undrained += !s->drained;
+    }
+  }
+  return Py_BuildValue("(LL)", alive, undrained);
+}
+
+PyObject* hooks_roots(HooksObject* h, PyObject*) {
+  PyObject* out = PyList_New(0);
+  if (out == nullptr) return nullptr;
+  for (const WeakImpl& weak : *h->roots) {
+    auto strong = weak.lock();
+    if (!strong) continue;
+    PyObject* t = THPVariable_Wrap(at::Tensor(std::move(strong)));
+    if (t == nullptr || PyList_Append(out, t) < 0) {
+      Py_XDECREF(t);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(t);
+  }
+  return out;
+}
+
+// The set closed: its Saveds are no longer rows (autograd may keep them past the block).
+PyObject* hooks_release(HooksObject* h, PyObject*) {
+  h->fast = 0;
+  hooks_release_rows(h);
+  h->roots->clear();
+  Py_RETURN_NONE;
+}
+
+PyMethodDef hooks_methods[] = {
+    {"pack", (PyCFunction)hooks_pack, METH_O, "pack(tensor) -> Saved | what the Python pack returns"},
+    {"unpack", (PyCFunction)hooks_unpack, METH_O, "unpack(saved) -> Tensor"},
+    {"count_task", (PyCFunction)hooks_count_task_py, METH_O,
+     "count_task(task: int) -> bool: a backward pass not counted among the last 64 is counted"},
+    {"drain", (PyCFunction)hooks_drain, METH_NOARGS,
+     "drain() -> list[Saved]: the live Saveds of C packs not drained before"},
+    {"alive", (PyCFunction)hooks_alive, METH_NOARGS, "alive() -> (alive, not drained)"},
+    {"roots", (PyCFunction)hooks_roots, METH_NOARGS, "roots() -> list[Tensor]: recently saved, requiring grad"},
+    {"release", (PyCFunction)hooks_release, METH_NOARGS, "release() -> None: forget every row; packs go to Python"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyMemberDef hooks_members[] = {
+    {"owner", T_OBJECT, offsetof(HooksObject, owner), READONLY, "the SavedSet"},
+    {"fast", T_BOOL, offsetof(HooksObject, fast), 0, "whether packs are made in C"},
+    {"backward_since_pack", T_BOOL, offsetof(HooksObject, backward_since_pack), 0, nullptr},
+    {"burst", T_OBJECT, offsetof(HooksObject, burst), 0, "the forward stretch saving now"},
+    {"bursts", T_LONGLONG, offsetof(HooksObject, bursts), 0, nullptr},
+    {"bursts_read", T_LONGLONG, offsetof(HooksObject, bursts_read), 0, nullptr},
+    {"tasks", T_LONGLONG, offsetof(HooksObject, tasks), 0, nullptr},
+    {"packed", T_LONGLONG, offsetof(HooksObject, packed), READONLY, "tensors C packs protected"},
+    {nullptr, 0, 0, 0, nullptr}};
+
+PyTypeObject* hooks_type() {
+  static PyTypeObject type = [] {
+    PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
+    t.tp_name = "kvguard._native.write_hook.SavedHooks";
+    t.tp_basicsize = sizeof(HooksObject);
+    t.tp_dealloc = (destructor)hooks_dealloc;
+    t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
+    t.tp_doc = "SavedHooks(owner, pack, unpack, read, internal_files, first_user_line, burst_type, "
+               "parameter_type): autograd's pack and unpack hooks in C for a SavedSet (see write_hook.cpp).";
+    t.tp_traverse = (traverseproc)hooks_traverse;
+    t.tp_clear = (inquiry)hooks_clear;
+    t.tp_methods = hooks_methods;
+    t.tp_members = hooks_members;
+    t.tp_new = hooks_new;
+    return t;
+  }();
+  return &type;
+}
+
 PyMethodDef methods[] = {
     {"install", (PyCFunction)(void (*)(void))py_install, METH_VARARGS | METH_KEYWORDS,
      "install(undeclared=None, c10d_names=None) -> int\n\nHook every op overload registered "
@@ -1299,10 +1873,12 @@ PyModuleDef module_def = {
 
 PyMODINIT_FUNC PyInit_write_hook(void) {
   PyTypeObject* table = table_type();
-  if (PyType_Ready(table) < 0) return nullptr;
+  if (PyType_Ready(table) < 0 || PyType_Ready(saved_type()) < 0 || PyType_Ready(hooks_type()) < 0) return nullptr;
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
-  if (PyModule_AddObjectRef(module, "Table", (PyObject*)table) < 0) {
+  if (PyModule_AddObjectRef(module, "Table", (PyObject*)table) < 0 ||
+      PyModule_AddObjectRef(module, "Saved", (PyObject*)saved_type()) < 0 ||
+      PyModule_AddObjectRef(module, "SavedHooks", (PyObject*)hooks_type()) < 0) {
     Py_DECREF(module);
     return nullptr;
   }
