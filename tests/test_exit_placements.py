@@ -170,3 +170,37 @@ def test_the_exit_walks_only_what_was_placed(monkeypatch: pytest.MonkeyPatch) ->
         d["a"] = [torch.ones(2) for _ in range(5)]
     assert len(walks) == entry and rows == []
     assert g.protected_count == 3 + 5
+
+
+def test_a_list_placed_whole_is_searched_once_beside_stores_under_other_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`rd["kl"] = kl` beside `rd["returns"] = returns` (a list not placed yet): the other store's
+    key is not the chain's, so no tensor of `kl` can get another answer: one search for all."""
+    from kvguard._protect import frames
+
+    searches: list[int] = []
+    real = frames._placement_in_frame
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        searches.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(frames, "_placement_in_frame", counted)
+    rd: dict[str, Any] = {"values": [torch.ones(2) for _ in range(3)]}
+    with kvguard.guard(rd, name="rd", action="record") as g:
+        kl = [torch.ones(2) for _ in range(40)]
+        returns = [k * 2 for k in kl]  # not placed yet
+        rd["kl"] = kl
+        torch.zeros(1).add_(1)  # a write op: the look that protects kl, with `returns` in the frame
+        rd["returns"] = returns
+        kl[3].add_(1)  # the look that protects returns, then the write
+    assert [e.path for e in g.report.events] == ["rd['kl'][3]"]
+    line = _line_of('rd["kl"] = kl')
+    assert g.report.events[0].placed_at.endswith(f":{line}"), g.report.events[0].placed_at
+    assert len(searches) == 2  # the frame searched once for kl and once for returns (not once per tensor)
+
+
+def _line_of(text: str) -> int:
+    import inspect
+
+    lines, start = inspect.getsourcelines(test_a_list_placed_whole_is_searched_once_beside_stores_under_other_keys)
+    return start + next(i for i, line in enumerate(lines) if line.strip() == text)

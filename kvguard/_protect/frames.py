@@ -388,11 +388,14 @@ def _placement_in_frame(frame: types.FrameType, namespace: dict[str, Any], by_ob
     last = len(chain) - 1
     for _, depth, (lineno, _name, key, values) in candidates:
         chain_key = chain[depth][1]
+        key_score = 2 if key is not _ANY and _same_key(key, chain_key) else (1 if key is _ANY else 0)
+        # Whether another tensor of the same container could get another answer: a store into
+        # its own index, or one that can be a candidate (above the last step the key is every
+        # such tensor's) storing a value that may be one tensor and not another.
         if depends is not None and not depends and (
                 depth == last and key is not _ANY
-                or any(_may_be_placed(namespace.get(v, _ANY), chain) for v in values)):
+                or key_score and any(_may_be_placed(namespace.get(v, _ANY), chain) for v in values)):
             depends.append(True)
-        key_score = 2 if key is not _ANY and _same_key(key, chain_key) else (1 if key is _ANY else 0)
         if key_score == 0:
             continue
         names_it = int(any(_is_on_the_way(namespace.get(v, _ANY), chain, depth, placed) for v in values))
