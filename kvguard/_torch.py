@@ -796,7 +796,7 @@ def on_swap_tensors(listener: SwapListener) -> Callable[[], None]:
 # metadata in C). While a guard is active, `torch.Tensor.data` is a property whose setter
 # tells the listeners first; its getter is torch's own. Removed with the last listener.
 
-DataListener = Callable[[torch.Tensor], Callable[[bool], None]]  # after(assigned)
+DataListener = Callable[[torch.Tensor, torch.Tensor], Callable[[bool], None]]  # (tensor, value) -> after(assigned)
 _data_listeners: list[DataListener] = []
 _data_lock = threading.Lock()
 _DATA = torch._C.TensorBase.__dict__["data"]  # the C getset descriptor every tensor class inherits
@@ -804,7 +804,7 @@ DATA_OP = "Tensor.data assignment"
 
 
 def on_data_assignment(listener: DataListener) -> Callable[[], None]:
-    """Call `listener(t)` before every `t.data = ...`; it returns what to run after. Returns the undo."""
+    """Call `listener(t, value)` before every `t.data = value`; it returns what to run after. Returns the undo."""
     with _data_lock:  # guards enter and exit on any thread: the property goes with the last listener
         if not _data_listeners:
             torch.Tensor.data = _DATA_PROPERTY  # type: ignore[assignment]
@@ -831,6 +831,19 @@ def same_elements(a: torch.Tensor, b: Any) -> bool:
         return False
 
 
+def same_values(a: torch.Tensor, b: Any) -> bool:
+    """Whether `b` holds `a`'s values, in `a`'s shape, dtype and device, wherever they lie
+    (`m.to(memory_format=...)` in `Module._apply` does `p.data = p.contiguous(memory_format)`).
+    Reads both tensors once: for the rare re-pointing of a tensor autograd saved. NaN never
+    equals NaN here, so such a tensor is judged changed."""
+    try:
+        return (type(b) in PLAIN and type(a) in PLAIN and a.layout == _STRIDED and b.layout == _STRIDED
+                and a.device == b.device and a.device.type != "meta" and a.dtype == b.dtype
+                and a.shape == b.shape and not a.is_quantized and bool(torch.equal(a, b)))
+    except Exception:  # noqa: BLE001 - judged as changed
+        return False
+
+
 def _set_data(self: torch.Tensor, value: torch.Tensor) -> None:
     if same_elements(self, value):
         _DATA.__set__(self, value)
@@ -839,7 +852,7 @@ def _set_data(self: torch.Tensor, value: torch.Tensor) -> None:
     assigned = False
     try:
         for listener in list(_data_listeners):
-            afters.append(listener(self))
+            afters.append(listener(self, value))
         _DATA.__set__(self, value)
         assigned = True
     finally:

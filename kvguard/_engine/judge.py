@@ -111,6 +111,10 @@ class WriteJudge:
         self.protected = protected
         self.on_event = on_event
         self.block = block
+        from kvguard._protect.saved import SavedSet  # here: saved.py's imports reach the engines' modules
+        # What autograd saved matters only through the values backward reads: a re-pointing to
+        # the same values (a memory-format conversion) changes nothing it computes.
+        self._values_only = isinstance(protected, SavedSet)
 
     def begin(self, func: Any, facts: _torch.OpFacts, written: Sequence[torch.Tensor],
               args: Sequence[Any] = (), stop: bool = True) -> Optional[PendingWrite]:
@@ -185,17 +189,41 @@ class WriteJudge:
     def on_swap(self, t1: torch.Tensor, t2: torch.Tensor) -> Callable[[bool], None]:
         """`torch.utils.swap_tensors` on a protected tensor: report it like `set_` (if it swapped)."""
         protected = self.protected
-        hit = [e for e in (protected.entry_of(t1), protected.entry_of(t2)) if e is not None]
-        if not hit:
+        own = [e for e in (protected.entry_of(t1), protected.entry_of(t2)) if e is not None]
+        if not own:
             return _no_repoint
-        return self._repoint(_torch.SWAP_OP, hit, lambda: protected.release((t1, t2)))
+        # The set decides what is intended, as for `.data =`: a weights set's load_state_dict and
+        # conversions swap (torch.__future__.set_swap_module_params_on_conversion(True), or a
+        # wrapper subclass such as DTensor), as they re-point with `.data =` otherwise.
+        judged = protected.written_entries((t1, t2), "repoint")
+        hit = [e for e in own if any(j is e or j.ref() is e.ref() for j in judged)]
+        if hit:
+            return self._repoint(_torch.SWAP_OP, hit, lambda: protected.release((t1, t2)))
+        restore = protected.release((t1, t2))  # swap_tensors refuses weak references
 
-    def on_data(self, tensor: torch.Tensor) -> Callable[[bool], None]:
-        """`tensor.data = other` on a protected tensor: report it at the assignment, like `set_`
-        (the set decides what is intended, as for an op: a weights set's conversions are)."""
-        hit = self.protected.written_entries((tensor,), "repoint")
+        def follow(done: bool) -> None:
+            restore()
+            if done:
+                protected.explain(own)  # the entries follow their new memory and values
+        return follow
+
+    def on_data(self, tensor: torch.Tensor, value: Any = None) -> Callable[[bool], None]:
+        """`tensor.data = value` on a protected tensor: report it at the assignment, like `set_`
+        (the set decides what is intended, as for an op: a weights set's conversions are).
+
+        For a saved set, `value` holding the tensor's very values in its shape and dtype (only
+        the layout differs: `conv.to(memory_format=torch.channels_last)` after a forward) is no
+        change: backward reads the same numbers (under the saved-tensor hooks, those the pack hook
+        kept, in the old memory, which stays protected)."""
+        protected = self.protected
+        hit = protected.written_entries((tensor,), "repoint")
         if not hit:
             return _no_repoint
+        if self._values_only and value is not None and _torch.same_values(tensor, value):
+            def follow(done: bool) -> None:
+                if done:
+                    protected.explain(hit)
+            return follow
         return self._repoint(_torch.DATA_OP, hit, lambda: _nothing)
 
     def _repoint(self, op: str, hit: list[Entry], release: Callable[[], Callable[[], None]]) -> Callable[[bool], None]:

@@ -107,6 +107,9 @@ class GuardReport:
 SAVED_PREFIX = "<saved by "  # how a tensor autograd saved is named: "<saved by SigmoidBackward0: result>"
 SAVED_WRITE = ("autograd saved this tensor for backward, which would raise 'modified by an inplace operation' "
                "after this write")
+# `t.data = other` bumps no version counter: PyTorch raises nothing at backward, which reads the new memory.
+SAVED_DATA = ("autograd saved this tensor for backward; `.data =` bumps no version counter, so PyTorch "
+              "would read the new memory at backward and raise nothing")
 SAVED_COUNTER = ("no saved element changed, but this write bumps the version counter that autograd checks; "
                  "backward will raise 'modified by an inplace operation'")
 MAX_EVENT_CHARS = 3000  # leaves room for a panel's frame and a rank tag under 4 KiB
@@ -126,7 +129,8 @@ def event_details(ev: MutationEvent) -> list[tuple[str, str]]:
     if ev.placed_at:
         rows.append(("saved at" if saved else "placed", ev.placed_at))
     if saved:
-        rows.append(("backward", SAVED_COUNTER if ev.kind == "version" else SAVED_WRITE))
+        rows.append(("backward", SAVED_COUNTER if ev.kind == "version" else
+                     SAVED_DATA if ev.op == "Tensor.data assignment" else SAVED_WRITE))
     if ev.blocked and ev.kind == "alias":
         rows.append(("shared", ev.diff))
     if ev.blocked:
