@@ -94,13 +94,20 @@ _LEAF, _DICT, _LIST, _TUPLE, _NAMEDTUPLE, _DATACLASS, _NAMESPACE, _PYTREE, _MAPP
 _ATTRIBUTE_KINDS = (_DATACLASS, _NAMESPACE, _PYTREE, _MAPPING)
 
 
+_pytree_module: Any = None  # `torch.utils._pytree` once found: every walk reads its registry
+
+
 def _pytree() -> Any:
     """`torch.utils._pytree`, only if torch is imported already (never imports torch)."""
+    global _pytree_module
+    if _pytree_module is not None:
+        return _pytree_module
     if "torch" not in sys.modules:
         return None
     from kvguard import _torch  # torch is imported: this adds kvguard's one module on its private APIs
 
-    return _torch.pytree()
+    _pytree_module = _torch.pytree()
+    return _pytree_module
 
 
 def _pytree_nodes() -> Optional[Mapping[type, Any]]:
@@ -127,6 +134,10 @@ def _kind(tp: type, nodes: Optional[Mapping[type, Any]]) -> int:
     except Exception:  # noqa: BLE001 - a metaclass whose checks raise: not walked
         pass
     return _LEAF
+
+
+_COMMON_LEAVES = (int, float, str, bool, bytes, type(None))
+_COMMON_KINDS = {dict: _DICT, list: _LIST, tuple: _TUPLE, **{tp: _LEAF for tp in _COMMON_LEAVES}}
 
 
 def walkable(obj: Any) -> bool:
@@ -295,6 +306,9 @@ class Owner(NamedTuple):
     chain: tuple[tuple[Container, Any], ...]
 
 
+_owner = functools.partial(tuple.__new__, Owner)  # Owner((obj, path, chain)) without the Python-level __new__
+
+
 def _watch(obj: Any, kind: int, watched: list[Container], ids: set[int], slots: dict[type, tuple[Any, ...]],
            owner: Optional[Owner], owners: Optional[dict[int, Owner]]) -> None:
     """Add what must be compared to notice a store into `obj` (and, in `owners`, that it is `obj`'s)."""
@@ -376,12 +390,16 @@ def walk(
     else:
         tensor_type = None
     watched_ids: set[int] = set()
-    kinds: dict[type, int] = {}
-    slots: dict[type, tuple[Any, ...]] = {}
     nodes = _pytree_nodes()
+    # The kinds of the types met, per walk (a registration between walks counts); the common
+    # ones known up front (a per-sample list of ints costs no `_kind` per walk).
+    kinds: dict[type, int] = dict(_COMMON_KINDS) if nodes is None or not any(
+        tp in nodes for tp in _COMMON_LEAVES) else {}
+    slots: dict[type, tuple[Any, ...]] = {}
     if is_tensor(root):
         return [Leaf(name, root, chain)], watched
-    kinds[type(root)] = _kind(type(root), nodes)
+    if type(root) not in kinds:
+        kinds[type(root)] = _kind(type(root), nodes)
     # Depth first, children in order, on an explicit stack (deep chains cannot overflow
     # it). Only tensors and containers are pushed: a wide dict of numbers costs one type
     # lookup per value, with no path built for it.
@@ -392,11 +410,19 @@ def walk(
             leaves.append(_leaf((path, obj, chain_)))  # a tensor under two paths appears twice
             continue
         kind = kinds[type(obj)]
-        if kind == _LEAF or id(obj) in seen:
+        key = id(obj)
+        if kind == _LEAF or key in seen:
             continue
-        seen[id(obj)] = obj
-        _watch(obj, kind, watched, watched_ids, slots, Owner(obj, path, chain_) if owners is not None else None,
-               owners)
+        seen[key] = obj
+        if kind == _DICT or kind == _LIST:  # `_watch`'s common case, inline
+            if key not in watched_ids:
+                watched_ids.add(key)
+                watched.append(obj)
+                if owners is not None:
+                    owners[key] = _owner((obj, path, chain_))
+        else:
+            _watch(obj, kind, watched, watched_ids, slots, _owner((obj, path, chain_)) if owners is not None else None,
+                   owners)
         if kind == _LIST and chain_ and tensor_type is not None and runs and _list_tensors_c is not None:
             tensors = _list_tensors_c(obj, tensor_type)  # a list of tensors: one run
             if tensors is not None:
