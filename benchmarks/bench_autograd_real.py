@@ -5,7 +5,9 @@ configs with random weights, one torch thread. Each round runs a forward + backw
 plainly and under `kvguard.guard_autograd(action="raise")`, in an order that rotates with
 the round; CPU time of the step inside the guard (entering and leaving it are timed apart:
 `KVGUARD_TARGETS=autograd` enters it once per process), medians over rounds. The figure to
-read is (guarded - plain) / saved tensors per step, in µs.
+read is (guarded - plain) / saved tensors per step, in µs; beside it, what an empty pair of
+`saved_tensors_hooks` (Python identities) costs the same way: autograd's own price of letting
+any hook see saved tensors, which kvguard's C hooks cannot go below.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_autograd_real.py                 # ~2 min
     PYTHONPATH=. .venv/bin/python benchmarks/bench_autograd_real.py --models gpt2 --rounds 5
@@ -103,6 +105,8 @@ def measure(name: str, step: Callable[[], Any], rounds: int) -> dict[str, float]
     contexts: dict[str, Callable[[], Any]] = {
         "plain": nullcontext,
         "guarded": lambda: kvguard.guard_autograd(action="raise"),
+        # the floor of seeing saved tensors at all: autograd's hook machinery, no work in the hooks
+        "hooks": lambda: torch.autograd.graph.saved_tensors_hooks(_same, _same),
     }
     names = list(contexts)
     times: dict[str, list[float]] = {k: [] for k in names}
@@ -112,7 +116,7 @@ def measure(name: str, step: Callable[[], Any], rounds: int) -> dict[str, float]
                 step()
     edges: list[float] = []  # entering and leaving the guard
     for r in range(rounds):
-        for k in names[r % 2:] + names[:r % 2]:
+        for k in names[r % len(names):] + names[:r % len(names)]:
             gc.collect()
             outer = time.process_time()
             with contexts[k]():
@@ -124,8 +128,13 @@ def measure(name: str, step: Callable[[], Any], rounds: int) -> dict[str, float]
                 edges.append(time.process_time() - outer - inner)
     saved = count_saved(step)
     plain, guarded = statistics.median(times["plain"]), statistics.median(times["guarded"])
+    hooks = statistics.median(times["hooks"])
     return {"saved": saved, "plain": plain, "guarded": guarded, "per": (guarded - plain) / saved,
-            "edges": statistics.median(edges)}
+            "hooks": (hooks - plain) / saved, "edges": statistics.median(edges)}
+
+
+def _same(t: Any) -> Any:
+    return t
 
 
 def main() -> None:
@@ -155,16 +164,18 @@ def main() -> None:
         return
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, kvguard from {os.path.dirname(kvguard.__file__)}, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}, "
           f"{args.rounds} rounds, CPU time, one thread, forward + backward")
-    print("| model | saved/step | plain ms | guard_autograd ms | ratio | µs per saved tensor | enter + exit ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | saved/step | plain ms | guard_autograd ms | ratio | µs per saved tensor | empty hooks µs | "
+          "enter + exit ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         step = build(name)
         if step is None:
-            print(f"| {name} | (not installed) | | | | | |")
+            print(f"| {name} | (not installed) | | | | | | |")
             continue
         m = measure(name, step, args.rounds)
         print(f"| {name} | {m['saved']} | {m['plain'] * 1e3:.2f} | {m['guarded'] * 1e3:.2f} | "
-              f"{m['guarded'] / m['plain']:.2f} | {m['per'] * 1e6:.1f} | {m['edges'] * 1e3:.2f} |", flush=True)
+              f"{m['guarded'] / m['plain']:.2f} | {m['per'] * 1e6:.1f} | {m['hooks'] * 1e6:.1f} | "
+              f"{m['edges'] * 1e3:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

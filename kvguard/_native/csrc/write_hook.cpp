@@ -1593,7 +1593,9 @@ PyObject* hooks_pack(HooksObject* h, PyObject* obj) {
     describe_tensor(t, d, false, 0);
     if (!d.plain || d.stop == 0 || d.inference) return PyObject_CallOneArg(h->py_pack, obj);
     version = (int64_t)t._version();
-    alias = t.detach();
+    // What detach() makes, without the dispatcher: the same storage, sizes and version counter, no autograd meta.
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    alias = at::Tensor(impl->shallow_copy_and_detach(impl->version_counter(), /*allow_tensor_metadata_change=*/true));
   } catch (...) {
     return PyObject_CallOneArg(h->py_pack, obj);  // Python copes with what threw
   }
