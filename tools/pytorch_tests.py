@@ -10,6 +10,11 @@ test files (adapted to NPU devices and kept in step with upstream). This script:
   run DEST NAME FILE [pytest args]
                      runs ``pytest FILE`` in DEST twice, plain and switched, writing
                      DEST/NAME.plain.xml and DEST/NAME.switched.xml (junit)
+  ids DEST FILE FIRST LAST OUT
+                     writes the node ids FIRST to LAST (from 1, in collection order) of
+                     `pytest FILE` in DEST to OUT, one a line: a chunk that `run DEST NAME
+                     @OUT` runs in a process of its own (test_nn.py's 2,163 tests do not fit
+                     one process's memory here)
   diff DEST NAME [SHARD,SHARD]
                      prints the figures and every test whose outcome differs (against
                      the switched runs of SHARDs, `run DEST SHARD FILE --switched -k ...`)
@@ -20,6 +25,8 @@ Nothing here is imported by kvguard or its tests; the fetched files stay out of 
   python tools/pytorch_tests.py prepare /tmp/ptt/test /tmp/ptrun
   python tools/pytorch_tests.py run /tmp/ptrun autograd test_autograd.py
   python tools/pytorch_tests.py diff /tmp/ptrun autograd
+  python tools/pytorch_tests.py ids /tmp/ptrun test_nn.py 1013 1200 /tmp/nnA.txt
+  python tools/pytorch_tests.py run /tmp/ptrun nnA @/tmp/nnA.txt
 """
 
 from __future__ import annotations
@@ -131,13 +138,25 @@ def run(dest: str, name: str, file: str, extra: list[str], which: str = "both") 
         print(f"{name} {tag}: rc {rc}, log {log}")
 
 
+def ids(dest: str, file: str, first: int, last: int, out: str) -> None:
+    dest_p = Path(dest).resolve()
+    os.environ["_PTT_STAND_IN"] = str(dest_p / "_stand_in")
+    listed = subprocess.run(
+        [sys.executable, "-m", "pytest", file, "-p", "no:cacheprovider", "-q", "-o", "addopts=", "--collect-only"],
+        cwd=dest_p, env=_env(False), capture_output=True, text=True).stdout
+    nodes = [line for line in listed.splitlines() if "::" in line]
+    chunk = nodes[first - 1:last]
+    Path(out).write_text("".join(n + "\n" for n in chunk))
+    print(f"{len(chunk)} of {len(nodes)} tests to {out}")
+
+
 def outcomes(path: Path) -> dict[str, tuple[str, str]]:
     """Outcome and first message line by test: from the junit file, else the per-test record."""
     res: dict[str, tuple[str, str]] = {}
     if path.exists():
         for case in ET.parse(path).getroot().iter("testcase"):
-            key = f"{case.get('file') or case.get('classname', '').split('.')[0] + '.py'}::" + \
-                f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"
+            module, _, cls = case.get("classname", "").rpartition(".")  # "nn.test_init.TestNNInit"
+            key = f"{case.get('file') or module.replace('.', '/') + '.py'}::{cls}::{case.get('name')}"
             state, msg = "passed", ""
             for child in case:
                 if child.tag in ("failure", "error", "skipped"):
@@ -190,6 +209,8 @@ def main(argv: list[str]) -> None:
         if rest and rest[0] in ("--plain", "--switched"):
             which, rest = rest[0][2:], rest[1:]
         run(argv[1], argv[2], argv[3], rest, which)
+    elif cmd == "ids":
+        ids(argv[1], argv[2], int(argv[3]), int(argv[4]), argv[5])
     elif cmd == "diff":
         diff(argv[1], argv[2], argv[3].split(",") if len(argv) > 3 else [])
     else:
