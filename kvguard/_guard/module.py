@@ -59,6 +59,14 @@ class ModuleGuard(Guard):
     def _new_protected(self) -> Any:
         from kvguard._protect.weights import ModuleSet
 
+        if self.level == "full":
+            # The engine first, as `Guard._new_protected` does: choosing the compiled one loads
+            # the extension, and a set reads its records from one source for its whole life
+            # (`records.describe`). Made before it, the first guard of a process would read
+            # them in Python at every write it looks at (a batch norm's statistics: ~2x).
+            from kvguard._engine import choice as _choice
+
+            _choice.choose()
         return ModuleSet(self.modules, fingerprint=self.fingerprint)
 
     def __enter__(self) -> ModuleGuard:

@@ -39,6 +39,9 @@ from kvguard._protect.records import DIGEST, LAYOUT
 
 # Functions whose writes to a guarded module's weights are its own (any module of the guarded tree).
 _LOADING = frozenset({"load_state_dict", "_load_from_state_dict", "load_weights"})  # torch's, vLLM's
+# How far up from the judge `_own_write` looks for the writing module's `forward` (the hook's
+# own frames, then the op's callers: torch.nn.functional.batch_norm, BatchNorm's forward).
+_OWN_DEPTH = 12
 
 
 class _Root(NamedTuple):
@@ -74,6 +77,11 @@ class ModuleSet(ProtectedSet):
         self._pending: dict[int, Entry] = {}
         self._early: list[Change] = []
         self._later = DeviceComparisons()  # such comparisons on a device, read at the next boundary
+        # id(tensor) -> (entry, data_ptr) of each buffer that only its own entry's memory holds and
+        # that a module may update in its own forward: the writes `_own_write` decides without
+        # the memory index or the whole stack (None: made again at the next write, from the index).
+        self._own_writes: Optional[dict[int, tuple[Entry, int]]] = None
+        self._own_groups: dict[int, tuple[Any, list[Entry]]] = {}
         super().__init__([], modules[0][0] if modules else "model", None, (), fingerprint=fingerprint)
 
     # -- entries ---------------------------------------------------------------------
@@ -173,7 +181,12 @@ class ModuleSet(ProtectedSet):
         dropped = super()._drop_dead()
         if dropped:
             self._forget_steps()  # keyed by the ids of tensors, one of which died
+            self._own_writes = None
         return dropped
+
+    def _rebuild_index(self, added: Optional[list[Entry]] = None) -> None:
+        self._own_writes = None  # the memory changed: which buffers hold their memory alone, read again
+        super()._rebuild_index(added)
 
     def look(self) -> None:
         if self._released:
@@ -197,11 +210,14 @@ class ModuleSet(ProtectedSet):
         later = [Change(e, t, "values", None, None) for e in self._later.collect() if (t := e.ref()) is not None]
         return early + later + found
 
-    def _compare_soon(self, live: list[tuple[Entry, torch.Tensor]]) -> tuple[list[Change], bool]:
+    def _compare_soon(self, live: list[tuple[Entry, torch.Tensor]],
+                      records: Optional[list[_records.Record]] = None) -> tuple[list[Change], bool]:
         """`ProtectedSet._compare` without a host synchronisation: digests kept on a device are
         compared there and read at the next boundary (`DeviceComparisons`), which syncs anyway;
-        the others now. Every entry's digest then starts again from its values now."""
-        records = self._records_of([t for _, t in live])
+        the others now. Every entry's digest then starts again from its values now. `records`:
+        the live tensors' records, read already."""
+        if records is None:
+            records = self._records_of([t for _, t in live])
         now_host: list[tuple[Entry, torch.Tensor, Any]] = []
         on_device: dict[Any, list[tuple[Entry, Any, Any]]] = {}
         moved = False
@@ -222,32 +238,52 @@ class ModuleSet(ProtectedSet):
         found, host_moved = self._compare_records([(e, t) for e, t, _ in now_host], [r for _, _, r in now_host])
         return found, moved or host_moved
 
-    def _settle(self) -> None:
-        """The intended writes looked at so far are done: their entries' digests start again from now."""
-        if not self._pending:
-            return
-        pending = [e for e in self._pending.values() if e.ref() is not None]
-        self._pending.clear()
-        with collector_paused():
-            self.explain(pending)
-        for entry in pending:
-            entry.explained = not self._fingerprint
+    def _settle(self, intended: Sequence[Entry] = ()) -> None:
+        """The intended writes looked at so far are done: their entries' digests start again from
+        now (and their memory is followed, as `explain` does).
 
-    def _check_before(self, intended: list[Entry]) -> None:
-        """An intended write is about to change `intended`: what changed in them since their digests,
-        with no op reporting it, is found now (the write would hide it); their digests are taken
-        again once it is done (`_settle`)."""
-        self._reclaim(intended)
-        fresh = [e for e in intended if id(e) not in self._pending and not e.explained]
-        if self._fingerprint and fresh:
-            with collector_paused():
-                found, moved = self._compare_soon([(e, t) for e in fresh if (t := e.ref()) is not None])
-            self._early += found
-            if moved:
-                self._rebuild_index()
+        Then `intended`, entries that an intended write (batch norm's forward, a load) is about
+        to change: what changed in them since their digests, with no op reporting it, is found
+        now (`_early`: the write would hide it), and their digests are taken again once it is
+        done (at the next call). Both from one description of their tensors (`records.describe`).
+        """
+        pending = self._pending
+        if not pending and not intended:
+            return
+        fingerprint = self._fingerprint
+        done = [(e, t) for e in pending.values() if (t := e.ref()) is not None]
+        fresh = [(e, t) for e in intended if id(e) not in pending and not e.explained
+                 and (t := e.ref()) is not None] if fingerprint else []
+        pending.clear()
+        if self._holding:
+            self._reclaim([e for e, _ in done] + list(intended))
+        records = self._records_of([t for _, t in done] + [t for _, t in fresh]) if done or fresh else []
+        moved = False
+        for (entry, _), record in zip(done, records):
+            if record[LAYOUT] != entry.record[LAYOUT]:
+                entry.record, moved = record, True  # the write moved it (a sparse `add_` reallocates)
+            if fingerprint:
+                entry.digest = record[DIGEST]
+            entry.explained = not fingerprint
+        if fresh:
+            rest: list[tuple[tuple[Entry, torch.Tensor], _records.Record]] = []
+            for (entry, tensor), record in zip(fresh, records[len(done):]):
+                was, now = entry.digest, record[DIGEST]
+                if type(was) is int and type(now) is int and record[LAYOUT] == entry.record[LAYOUT]:
+                    if was != now:  # host digests where the tensor was: `_compare_soon`'s common case
+                        self._early.append(Change(entry, tensor, "values", was, now))
+                    entry.digest = now
+                else:
+                    rest.append(((entry, tensor), record))
+            if rest:
+                found, fresh_moved = self._compare_soon([p for p, _ in rest], [r for _, r in rest])
+                self._early += found
+                moved = moved or fresh_moved
+        if moved:
+            self._rebuild_index()
         for entry in intended:
-            entry.explained = True  # until `_settle`: a boundary check meanwhile does not count it
-            self._pending[id(entry)] = entry
+            entry.explained = True  # until the next `_settle`: a boundary check meanwhile does not count it
+            pending[id(entry)] = entry
 
     def _absorb_own_updates(self) -> None:
         """Level "light": the buffers a module updates in its own forward or its hooks (batch norm's
@@ -471,6 +507,9 @@ class ModuleSet(ProtectedSet):
         return super().release(tensors)
 
     def written_entries(self, written: Sequence[torch.Tensor], kind: str, resizes: bool = False) -> list[Entry]:
+        if kind == "write" and not (resizes or self._released or self._dirty or self._active) \
+                and self._own_write(written, sys._getframe(1)):
+            return []
         if self._pending:
             self._settle()  # the write looked at before this one is done
         hit = super().written_entries(written, kind, resizes)
@@ -480,8 +519,89 @@ class ModuleSet(ProtectedSet):
             return hit
         intended = self._intended(hit, sys._getframe(1))
         if intended:
-            self._check_before(intended)
+            self._settle(intended)
         return [e for e in hit if e not in intended]
+
+    def _own_write(self, written: Sequence[torch.Tensor], frame: Optional[types.FrameType]) -> bool:
+        """Whether `written` are buffers of the module whose `forward` runs nearest on the stack
+        (batch norm's statistics, in each training forward), each in memory no other entry
+        shares: then the write is intended, as `_intended` would find, decided here from what
+        `_own_candidates` made once per index and a few frames, without the memory index or
+        the whole stack. False: the full path decides (a view, another module's forward, a
+        hook, a tensor moved with no op seen: anything else).
+
+        Digests as for any intended write (`_settle`), once per forward: its first write checks
+        every buffer of the module that this path covers, and leaves them all pending, so the
+        forward's later writes (`batch_norm` after `num_batches_tracked.add_(1)`) cost no read.
+        """
+        own = self._own_writes
+        if own is None:
+            own = self._own_candidates()
+        if not own:
+            return False
+        for tensor in written:
+            item = own.get(id(tensor))
+            # The tensor itself, where its memory was (moved with no op seen: the full path follows it).
+            if item is None or item[0].ref() is not tensor or tensor.data_ptr() != item[1]:
+                return False
+        for _ in range(_OWN_DEPTH):  # the op's caller, and its callers: the nearest `forward`
+            if frame is None:
+                return False
+            code = frame.f_code
+            if code.co_name == "forward" and code.co_argcount and code.co_varnames[0] == "self":
+                break
+            frame = frame.f_back
+        else:
+            return False
+        owner = frame.f_locals.get("self")
+        group = self._own_groups.get(id(owner))
+        if group is None or group[0]() is not owner:
+            return False  # not a module of the guarded trees holding buffers: the full path walks on
+        held = group[1]
+        pending = self._pending
+        first = False
+        for tensor in written:
+            entry = own[id(tensor)][0]
+            if entry not in held:
+                return False  # another module's buffer: the full path decides
+            first = first or id(entry) not in pending
+        if first:
+            self._settle(held)  # the pending writes done; this module's buffers checked, then pending
+        return True
+
+    def _own_candidates(self) -> dict[int, tuple[Entry, int]]:
+        """id(tensor) -> (entry, its data pointer) of the buffers `_own_write` may pass: plain host
+        tensors held as a buffer by a module of the guarded trees, in memory no other entry
+        shares (a write to one touches its entry alone); and per such module (`_own_groups`),
+        its weak reference and the entries of those it holds."""
+        memory = self._memory
+        memory.ensure(self._entries.values())
+        found: dict[int, tuple[Entry, int]] = {}
+        groups: dict[int, tuple[Any, list[Entry]]] = {}
+        seen: set[int] = set()
+        for _, ref, _ in self._roots:
+            root = ref()
+            for module in root.modules() if root is not None else ():
+                if id(module) in seen:
+                    continue
+                seen.add(id(module))
+                held: list[Entry] = []
+                for tensor in _own_buffers(module):
+                    entry = self.entry_of(tensor)
+                    if entry is None or type(tensor) is not torch.Tensor:
+                        continue
+                    try:
+                        if id(tensor) not in found:
+                            if tensor.device.type != "cpu" or tensor.is_inference() or memory.hits(tensor) != [entry]:
+                                continue
+                            found[id(tensor)] = (entry, tensor.data_ptr())
+                    except Exception:  # noqa: BLE001 - a tensor that refuses a read: the full path judges it
+                        continue
+                    held.append(entry)
+                if held:
+                    groups[id(module)] = (weakref.ref(module), held)
+        self._own_writes, self._own_groups = found, groups
+        return found
 
     def _intended(self, hit: list[Entry], frame: Optional[types.FrameType]) -> list[Entry]:
         """The entries of `hit` that the code on the stack owns the right to write."""
