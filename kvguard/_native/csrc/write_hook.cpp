@@ -1527,16 +1527,20 @@ bool packs_in_c(HooksObject* h, PyObject* obj) {
   PyTypeObject* type = Py_TYPE(obj);
   if ((PyObject*)type == THPVariableClass) return true;
   if ((PyObject*)type != h->parameter_type) return false;
-  PyObject** dict = _PyObject_GetDictPtr(obj);
-  if (dict == nullptr || *dict == nullptr) return true;
+  PyObject* dict = PyObject_GenericGetDict(obj, nullptr);  // new reference (an empty dict made once)
+  if (dict == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  bool plain = PyDict_Check(dict);
   PyObject *key, *value;
   Py_ssize_t pos = 0;
-  while (PyDict_Next(*dict, &pos, &key, &value)) {
-    if (!PyUnicode_Check(key)) return false;
-    if (PyUnicode_READ_CHAR(key, 0) != '_' || PyUnicode_CompareWithASCIIString(key, "__fsdp_param__") == 0)
-      return false;
+  while (plain && PyDict_Next(dict, &pos, &key, &value)) {
+    plain = PyUnicode_Check(key) && PyUnicode_GET_LENGTH(key) > 0 && PyUnicode_READ_CHAR(key, 0) == '_' &&
+        PyUnicode_CompareWithASCIIString(key, "__fsdp_param__") != 0;
   }
-  return true;
+  Py_DECREF(dict);
+  return plain;
 }
 
 // The innermost frame outside torch, kvguard and wrapt, as kvguard._protect.frames decides:
