@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import kvguard
+from kvguard._report.events import format_event
 
 CL = torch.channels_last
 
@@ -256,3 +257,26 @@ def test_an_uninitialized_parameter_materialized_by_hand() -> None:
         m.p.grad = torch.rand(10)
         opt.step()
     assert g.report.ok, g.report.format()
+
+
+# test_nn.py's test_LayerNorm_general (`ln.weight.data.fill_(scale)`) and test_parametrization.py's
+# test_new_spectral_norm_forward (`_weight.data /= ...`): a saved tensor written through `.data`,
+# whose version counter is its own. The report said PyTorch would raise at backward; it raises
+# nothing and reads the new values (plain PyTorch: x.grad is 5 below).
+
+def test_a_write_through_data_to_a_saved_tensor_says_pytorch_would_not_notice() -> None:
+    w = nn.Parameter(torch.ones(3))
+    x = torch.ones(3, requires_grad=True)
+    with kvguard.guard_autograd(action="record") as g:
+        y = (x * w).sum()
+        w.data.fill_(5)  # through .data
+        z = (x * w).sum()
+        with torch.no_grad():
+            w.mul_(2)  # through w itself: the version counter autograd checks
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            (y + z).backward()
+    first, second = g.report.events
+    assert (first.op, first.unversioned) == ("aten.fill_.Scalar", True)
+    assert "with a version counter of its own (`.data`), so PyTorch would read the new values" in format_event(first)
+    assert (second.op, second.unversioned) == ("aten.mul_.Tensor", False)
+    assert "would raise 'modified by an inplace operation'" in format_event(second)

@@ -141,6 +141,7 @@ class WriteJudge:
         # Each written entry's tensor, read once before the op (a weak reference may die at any read).
         tensors = {id(e): protected.tensor_of(e) for e in hit} if facts.kind == "write" else {}
         aliased = _aliased(hit, tensors, written) if facts.kind == "write" else {}
+        unversioned = _unversioned(hit, tensors, written, counter_only) if self._values_only and tensors else set()
         drifted = protected.drifted(hit) if not capturing else []
         for entry in drifted:  # changed since the last look, by nothing we saw:
             self.on_event(unobserved_event(entry, protected.tensor_of(entry), site, DRIFT_DIFF,
@@ -148,7 +149,8 @@ class WriteJudge:
         if self.block:
             for entry in hit:
                 self.on_event(self._event(func, _kind(facts, entry, counter_only, aliased), entry, site,
-                                          blocked=True, alias=aliased.get(id(entry))), not stop)
+                                          blocked=True, alias=aliased.get(id(entry)),
+                                          unversioned=id(entry) in unversioned), not stop)
             if not stop:
                 return None
             # The callback chose not to stop the write: fall through and report it.
@@ -177,13 +179,13 @@ class WriteJudge:
                     protected.relayout(entry)
                 self.on_event(self._event(func, _kind(facts, entry, counter_only, aliased), entry, site, blocked=False,
                                           before_meta=before_meta.get(id(entry)), copy=copies.pop(id(entry), None),
-                                          alias=aliased.get(id(entry))))
+                                          alias=aliased.get(id(entry)), unversioned=id(entry) in unversioned))
 
         def stopped() -> None:
             copies.clear()  # nothing landed
             for entry in hit:
                 self.on_event(self._event(func, _kind(facts, entry, counter_only, aliased), entry, site, blocked=True,
-                                          alias=aliased.get(id(entry))), True)
+                                          alias=aliased.get(id(entry)), unversioned=id(entry) in unversioned), True)
         return PendingWrite(after, stopped)
 
     def on_swap(self, t1: torch.Tensor, t2: torch.Tensor) -> Callable[[bool], None]:
@@ -255,7 +257,7 @@ class WriteJudge:
 
     def _event(self, func: Any, kind: str, entry: Entry, site: _frames.Site, blocked: bool,
                before_meta: Optional[str] = None, copy: Optional[_Copy] = None,
-               alias: Optional[tuple[int, int]] = None) -> MutationEvent:
+               alias: Optional[tuple[int, int]] = None, unversioned: bool = False) -> MutationEvent:
         """The event for one protected entry; its summaries never raise (see `diff`).
 
         `alias`: (elements changed, elements named) of a write into an entry whose elements
@@ -301,6 +303,7 @@ class WriteJudge:
             placed_at=entry.placed_at, tensor=described, before=before, after=after, diff=diff,
             aliases=tuple(entry.aliases), detached=entry.detached,
             hint=hint(func, site.code, isinstance(self.protected, ModuleSet)) if blocked else "",
+            unversioned=unversioned,
         )
         self.protected.note(entry, f"{event.op} at {event.site} ({event.code})"
                             + (", its version counter only" if kind == "version" else "")
@@ -368,6 +371,21 @@ def _no_repoint(done: bool) -> None:
 
 def _nothing() -> None:
     pass
+
+
+def _unversioned(hit: list[Entry], tensors: dict[int, Optional[torch.Tensor]], written: Sequence[torch.Tensor],
+                 counter_only: frozenset[int]) -> set[int]:
+    """The saved entries of `hit` that this write changes through tensors none of which shares their
+    version counter (`w.data.fill_(1)`: `.data` has a counter of its own), so autograd's check at
+    backward cannot see it. Asked of a saved set's hits only: a few per stopped write."""
+    found: set[int] = set()
+    for entry in hit:
+        saved = tensors.get(id(entry))
+        if id(entry) in counter_only or saved is None or saved.is_inference():
+            continue
+        if not any(not t.is_inference() and _torch.shares_version_counter(t, saved) for t in written):
+            found.add(id(entry))
+    return found
 
 
 def _kind(facts: _torch.OpFacts, entry: Entry, counter_only: frozenset[int],

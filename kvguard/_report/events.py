@@ -42,6 +42,9 @@ class MutationEvent:
     # For a change no op showed: when it was found, in the user's words ("at optimizer step 3, before
     # it ran"); empty: by a boundary check (guard exit, `g.check()`)
     found: str = ""
+    # A write to a tensor autograd saved, made through a tensor with a version counter of its own
+    # (`w.data.fill_(1)`): autograd's check at backward never sees it, and backward reads the new values.
+    unversioned: bool = False
 
     @property
     def site(self) -> str:
@@ -110,6 +113,8 @@ SAVED_WRITE = ("autograd saved this tensor for backward, which would raise 'modi
 # `t.data = other` bumps no version counter: PyTorch raises nothing at backward, which reads the new memory.
 SAVED_DATA = ("autograd saved this tensor for backward; `.data =` bumps no version counter, so PyTorch "
               "would read the new memory at backward and raise nothing")
+SAVED_UNVERSIONED = ("autograd saved this tensor for backward; this write goes through a tensor with a version "
+                     "counter of its own (`.data`), so PyTorch would read the new values at backward and raise nothing")
 SAVED_COUNTER = ("no saved element changed, but this write bumps the version counter that autograd checks; "
                  "backward will raise 'modified by an inplace operation'")
 MAX_EVENT_CHARS = 3000  # leaves room for a panel's frame and a rank tag under 4 KiB
@@ -130,7 +135,8 @@ def event_details(ev: MutationEvent) -> list[tuple[str, str]]:
         rows.append(("saved at" if saved else "placed", ev.placed_at))
     if saved:
         rows.append(("backward", SAVED_COUNTER if ev.kind == "version" else
-                     SAVED_DATA if ev.op == "Tensor.data assignment" else SAVED_WRITE))
+                     SAVED_DATA if ev.op == "Tensor.data assignment" else
+                     SAVED_UNVERSIONED if ev.unversioned else SAVED_WRITE))
     if ev.blocked and ev.kind == "alias":
         rows.append(("shared", ev.diff))
     if ev.blocked:
