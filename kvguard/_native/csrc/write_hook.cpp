@@ -1587,7 +1587,14 @@ bool find_site(HooksObject* h, SavedObject* s) {
   return true;
 }
 
+// Cleared by the collector (its set died while autograd still called it): no Python hook to call.
+PyObject* hooks_gone() {
+  PyErr_SetString(PyExc_RuntimeError, "kvguard: the saved-tensor hooks of a guard_autograd that is gone were called");
+  return nullptr;
+}
+
 PyObject* hooks_pack(HooksObject* h, PyObject* obj) {
+  if (h->py_pack == nullptr) return hooks_gone();
   if (!h->fast || !packs_in_c(h, obj)) return PyObject_CallOneArg(h->py_pack, obj);
   const at::Tensor& t = THPVariable_Unpack(obj);
   Described d;
@@ -1662,6 +1669,7 @@ PyObject* hooks_count_task_py(HooksObject* h, PyObject* arg) {
 PyObject* g_read_name = nullptr;  // "read", interned
 
 PyObject* hooks_unpack(HooksObject* h, PyObject* obj) {
+  if (h->py_unpack == nullptr || h->py_read == nullptr) return hooks_gone();
   if (Py_TYPE(obj) != saved_type()) return PyObject_CallOneArg(h->py_unpack, obj);
   SavedObject* s = (SavedObject*)obj;
   try {
