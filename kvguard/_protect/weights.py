@@ -251,12 +251,12 @@ class ModuleSet(ProtectedSet):
         if not pending and not intended:
             return
         fingerprint = self._fingerprint
+        if self._holding:  # first: a step table gives back their digests and marks
+            self._reclaim([*pending.values(), *intended])
         done = [(e, t) for e in pending.values() if (t := e.ref()) is not None]
         fresh = [(e, t) for e in intended if id(e) not in pending and not e.explained
                  and (t := e.ref()) is not None] if fingerprint else []
         pending.clear()
-        if self._holding:
-            self._reclaim([e for e, _ in done] + list(intended))
         records = self._records_of([t for _, t in done] + [t for _, t in fresh]) if done or fresh else []
         moved = False
         for (entry, _), record in zip(done, records):
