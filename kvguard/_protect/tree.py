@@ -137,7 +137,7 @@ def _kind(tp: type, nodes: Optional[Mapping[type, Any]]) -> int:
 
 
 _COMMON_LEAVES = (int, float, str, bool, bytes, type(None))
-_COMMON_KINDS = {dict: _DICT, list: _LIST, tuple: _TUPLE, **{tp: _LEAF for tp in _COMMON_LEAVES}}
+_COMMON_KINDS: dict[type, int] = {dict: _DICT, list: _LIST, tuple: _TUPLE, **{tp: _LEAF for tp in _COMMON_LEAVES}}
 
 
 def walkable(obj: Any) -> bool:
