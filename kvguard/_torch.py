@@ -1088,10 +1088,11 @@ def saved_tensors_hooks_disabled() -> bool:
     return not torch._C._autograd._saved_tensors_hooks_is_enabled()  # type: ignore[attr-defined]
 
 
-def let_func_transforms_run(is_ours: Callable[[Any], bool]) -> None:
+def let_func_transforms_run(is_ours: Callable[[Any], bool], set_aside: Callable[[Any], None]) -> None:
     """`torch.func.grad`, `vjp`, `jacrev` and `hessian` refuse to run under saved-tensor hooks
     (`torch.autograd.graph.disable_saved_tensors_hooks` raises): make that context set ours
-    aside for its stretch when ours are the innermost, as if no hooks were installed.
+    aside for its stretch when ours are the innermost, as if no hooks were installed, and tell
+    `set_aside(pack)`, so the stretch is counted as not looked at.
 
     Patched once for the process; with anyone else's hooks innermost it behaves as torch's.
     """
@@ -1112,6 +1113,7 @@ def let_func_transforms_run(is_ours: Callable[[Any], bool]) -> None:
                 yield
             return
         autograd._pop_saved_tensors_default_hooks()
+        set_aside(top[0])
         try:
             with original(error_message):
                 yield

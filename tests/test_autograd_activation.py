@@ -159,3 +159,5 @@ def test_torch_func_runs_under_the_env_var(tmp_path: Path) -> None:
     """))
     result = run_python(script, KVGUARD="raise", KVGUARD_TARGETS="autograd")
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+    assert ("kvguard: autograd: 0 saved tensors protected in 0 forward passes, no in-place writes to them; 1 "
+            "unprotected under other saved-tensor hooks") in result.stderr  # the transform's stretch: not "clean"

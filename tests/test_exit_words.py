@@ -21,8 +21,9 @@ from kvguard._report.read import describe, load
 from kvguard._report.render import run_report
 from kvguard._report.tally import AUTOGRAD_LABEL, Tally
 
-UNPROTECTED = ("1 unprotected under other saved-tensor hooks (stretches of hooks torch.compile inlines, or saved "
-               "tensors kvguard could not hold): what they saved was not looked at")
+UNPROTECTED = ("1 unprotected under other saved-tensor hooks (stretches of hooks torch.compile inlines, torch.func "
+               "transforms, which refuse saved-tensor hooks, or saved tensors kvguard could not hold): what they "
+               "saved was not looked at")
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -7,7 +7,8 @@ what they kept, not the tensors: the guard installs nothing and protects nothing
 says so. Hooks installed inside the block (checkpointing, `save_on_cpu`, offloading) are
 composed with the guard's (`saved.Composed`), since hooks do not nest; those that
 `torch.compile` inlines are left alone and counted. `torch.func`'s transforms refuse
-saved-tensor hooks: inside one, the guard's are set aside (see `_torch.let_func_transforms_run`).
+saved-tensor hooks: inside one, the guard's are set aside (see `_torch.let_func_transforms_run`)
+and the stretch is counted as unprotected.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class AutogradGuard(Guard):
         from kvguard import _torch
         from kvguard._protect import saved as _saved
 
-        _torch.let_func_transforms_run(_saved.is_own_pack)
+        _torch.let_func_transforms_run(_saved.is_own_pack, _saved.count_set_aside)
         _torch.compose_saved_tensors_hooks(_saved.compose)
         pack = _torch.top_saved_tensors_pack()
         outer = _saved.set_of(pack) if pack is not None else None

@@ -790,6 +790,13 @@ def is_own_pack(pack: Any) -> bool:
     return isinstance(owner, SavedSet) or (_HOOKS_TYPE is not None and type(owner) is _HOOKS_TYPE)
 
 
+def count_set_aside(pack: Any) -> None:
+    """A torch.func transform set this guard's hooks aside: what it saves is not looked at."""
+    owner = set_of(pack)
+    if owner is not None:
+        owner.unprotected += 1
+
+
 def _in_rows(ref: Any) -> bool:
     """Whether an entry's Saved is one of the write hook's saved rows (made by the C pack, its
     set still attached): the hook checks writes to it, and forgets it when it dies."""

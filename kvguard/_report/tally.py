@@ -250,8 +250,9 @@ def watched(label: str, protected: int, graphs: int, steps: int) -> str:
 
 def unprotected_text(count: int) -> str:
     """What `guard_autograd` could not protect: said with its exit line, never counted as clean."""
-    return (f"{count:,} unprotected under other saved-tensor hooks (stretches of hooks torch.compile inlines, or "
-            "saved tensors kvguard could not hold): what they saved was not looked at")
+    return (f"{count:,} unprotected under other saved-tensor hooks (stretches of hooks torch.compile inlines, "
+            "torch.func transforms, which refuse saved-tensor hooks, or saved tensors kvguard could not hold): what "
+            "they saved was not looked at")
 
 
 def _head(stats: TargetStats, sites: dict[SiteKey, SiteStats], calls: Optional[str], label: str = "") -> str:
