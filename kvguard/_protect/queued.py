@@ -66,9 +66,9 @@ class QueuedSet(ProtectedSet):
             self._described.clear()
             del live
             tensor = None  # no reference kept past the look
-            # The lookup index is built when Python is next asked about a write (rarely, for what
-            # arrives this way); the write hook learns the new memory now.
-            self._memory.invalidate()
+            # The new entries are merged into the lookup index (a rebuild per flush made every write
+            # Python judges while packs arrive, batch norm's statistics in each forward, sort the
+            # whole set again); the write hook learns the new memory now.
             self._entered(added, known)
 
     def _entered(self, added: list[Entry], known: list[Entry]) -> None:

@@ -528,8 +528,10 @@ class SavedSet(QueuedSet):
             self.on_index(None)
 
     def _entered(self, added: list[Entry], known: list[Entry]) -> None:
-        """Only what the write hook was not told of at pack time is published now."""
+        """Only what the write hook was not told of at pack time is published now; the lookup
+        index takes both."""
         self._remember(known)
+        self._memory.add(known)
         if added:
             self._rebuild_index(added)
 
