@@ -70,15 +70,16 @@ torch.save({"losses": losses, "grads": grads, "weights": [t.clone() for t in mod
             "ema": [t.clone() for m in (ema2.module, ema3.module) for t in m.state_dict().values()]}, OUT)
 '''
 
-PEFT_JOB = '''
+# A tiny Llama built from a config, then its trainable parameters trained 3 steps (`model` set in between).
+_TINY_LLAMA = '''
 import torch
 import transformers
 import peft
 torch.manual_seed(0)
 config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, use_cache=False)
-model = peft.get_peft_model(transformers.LlamaForCausalLM(config),
-                            peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+'''
+_TRAIN_TRAINABLE = '''
 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
 ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 losses, grads = [], []
@@ -89,6 +90,12 @@ for _ in range(3):
     grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
     opt.step()
     opt.zero_grad()
+'''
+
+PEFT_JOB = _TINY_LLAMA + '''
+model = peft.get_peft_model(transformers.LlamaForCausalLM(config),
+                            peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+''' + _TRAIN_TRAINABLE + '''
 if BUG:
     layer = model.base_model.model.model.layers[1].self_attn.q_proj
     layer.lora_B["default"].weight.data.zero_()  # the bug: resets a trained adapter between steps
@@ -96,27 +103,12 @@ merged = model.merge_and_unload(safe_merge=SAFE)
 torch.save({"losses": losses, "grads": grads, "weights": [t.clone() for t in merged.state_dict().values()]}, OUT)
 '''
 
-PISSA_JOB = '''
-import torch
-import transformers
-import peft
-torch.manual_seed(0)
-config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+PISSA_JOB = _TINY_LLAMA + '''
 model = transformers.LlamaForCausalLM(config)
 model.load_state_dict(model.state_dict())  # a checkpoint loaded by hand: the weights are watched from here on
 model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                    init_lora_weights=INIT))
-opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-losses, grads = [], []
-for _ in range(2):
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    losses.append(loss.detach())
-    grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
-    opt.step()
-    opt.zero_grad()
+''' + _TRAIN_TRAINABLE + '''
 torch.save({"losses": losses, "grads": grads, "weights": [t.clone() for t in model.state_dict().values()]}, OUT)
 '''
 
