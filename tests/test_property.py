@@ -51,7 +51,8 @@ what each step writes. Per protected entry it expects:
 
 A tensor placed inside the guard is protected from kvguard's next look: at the full level
 the next op that writes anything in the guarded thread (here: an `op` or `set_` step, or a
-`share_memory_()`, which copies through dispatched ops), at both levels the next boundary.
+`share_memory_()`, which copies through dispatched ops), a `torch.utils.swap_tensors` that
+re-points an entry (its report looks), at both levels the next boundary.
 
 Every program runs four times, each on a fresh universe: `level="full"` and
 `level="light"`, each under `action="record"` and `action="raise"` (where a boundary that
@@ -746,7 +747,8 @@ class Runner:
         else:
             hits = {n for n in candidates if any(env[n] is o for o in objects)}
         if kind == "swap":
-            hits -= set(self.pending)  # kvguard does not look at a swap: a pending name is no entry yet
+            hits -= set(self.pending)  # a pending name is no entry yet at a swap
+            looks = bool(hits)  # a swap that re-points an entry is reported: that report is a look
         blocked = bool(hits) and self.action == "raise"
         self.drop_if("held-frames", kind == "swap" and self.blocked)
         self.blocked |= blocked
@@ -1246,6 +1248,9 @@ HAND_MADE = [
     # swap_tensors: a repoint at the op (full level); the changed values at the boundary (light)
     Program(_u("P1", "P2", root="nt"), (Step("swap", name="P1", partner="flip"),)),
     Program(_u("P1", "Sc1", root="nt"), (Step("swap", name="Sc1", partner="dense"),)),
+    # a swap reported is a look: a tensor placed before it is protected there (CI drew this)
+    Program(_u("P1", late=("P2",)), (Step("place", name="P2"), Step("swap", name="P1", partner="same"),
+                                     Step("numpy", _t("P2"), i=0, v=7))),
     # set_ and the metadata ops: at the op, by identity only
     Program(_u("P2", "Sr0"), (op_step(_t("P2"), "t_"), Step("set", name="Sr0", partner="flip"),
                               op_step(_t("Sr0", ("data",)), "unsqueeze_"))),
