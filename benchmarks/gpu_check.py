@@ -382,13 +382,15 @@ def exit_lines(output: str) -> str:
     return " | ".join(line for line in output.splitlines() if line.startswith("kvguard: ") and "building" not in line)
 
 
-def training(rounds: int) -> None:
+CLEAN_JOBS = {
+    "fused": ("AdamW fused, bf16 autocast", ["--optimizer", "fused", "--bf16"]),
+    "foreach": ("AdamW foreach, bf16, checkpointing", ["--optimizer", "foreach", "--bf16", "--checkpoint"]),
+}
+
+
+def training(rounds: int, clean: list[str]) -> None:
     train_py = HERE / "gpu_train.py"
-    variants = {
-        "AdamW fused, bf16 autocast": ["--optimizer", "fused", "--bf16"],
-        "AdamW foreach, bf16, checkpointing": ["--optimizer", "foreach", "--bf16", "--checkpoint"],
-    }
-    for title, args in variants.items():
+    for title, args in (CLEAN_JOBS[name] for name in clean):
         code, out, plain = train(args, guarded=False)
         gcode, gout, guarded = train(args, guarded=True)
         check(f"clean job, {title}: nothing reported, losses bitwise equal",
@@ -460,6 +462,8 @@ def main() -> int:
     parser.add_argument("--skip-train", action="store_true", help="only the rollout checks (no subprocesses)")
     parser.add_argument("--models", default="gpt2,llama", help="transformers models to time ('' for none)")
     parser.add_argument("--train-rounds", type=int, default=2, help="timed rounds per step-time row (0: none)")
+    parser.add_argument("--clean-jobs", default=",".join(CLEAN_JOBS),
+                        help=f"clean training jobs to compare with plain runs, of: {', '.join(CLEAN_JOBS)}")
     parser.add_argument("--only", default="", help="comma-separated groups to run: build, bug, sync, graphs, "
                         "timing, train, models (default: all)")
     parser.add_argument("--engines", default="compiled,kernels,mode", help="engines the per-engine checks use")
@@ -492,7 +496,7 @@ def main() -> int:
     if "timing" in groups:
         attempt("timing", lambda: timing(opts.rounds))
     if not opts.skip_train and "train" in groups:
-        attempt("training", lambda: training(opts.train_rounds))
+        attempt("training", lambda: training(opts.train_rounds, list(filter(None, opts.clean_jobs.split(",")))))
     if not opts.skip_train and opts.models and "models" in groups:
         attempt("real models", lambda: real_models(opts.models.split(","), opts.train_rounds))
     failed = [n for n, ok, _ in results if not ok]

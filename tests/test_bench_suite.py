@@ -25,8 +25,8 @@ ENTRY_EXIT_ROWS = ["entry_exit_1MB", "entry_exit_100MB", "entry_exit_49t", "entr
 CONTENDERS = ["unguarded", "kvguard installed, no guard", "empty mode", "kvguard compiled", "kvguard kernels",
               "kvguard mode", "kvguard compiled, fp off", "kvguard light", "clone + compare", "SchemaCheckMode",
               "DebugMode"]
-# a cell: "a / b" (one figure per repeat), "skip [n]" (cannot run: footnote n), "~x [n]" (one run)
-CELL = re.compile(r"^(\d[\d,]*\.?\d* / \d[\d,]*\.?\d*|skip \[\d+\]|~\d[\d,]*\.?\d* \[\d+\])$")
+# a cell: "a" or "a / b" (one figure per repeat), "skip [n]" (cannot run: footnote n), "~x [n]" (one run)
+CELL = re.compile(r"^(\d[\d,]*\.?\d*( / \d[\d,]*\.?\d*)*|skip \[\d+\]|~\d[\d,]*\.?\d* \[\d+\])$")
 
 
 def _run(*args: str) -> str:
@@ -57,7 +57,7 @@ def _tables(out: str) -> list[tuple[list[str], dict[str, list[str]]]]:
 
 @pytest.mark.slow
 def test_ci_size_prints_every_row_and_column() -> None:
-    out = _run("--size", "ci", "--rounds", "1")
+    out = _run("--size", "ci", "--rounds", "1", "--repeats", "1")  # two repeats' cells: the test below
     tables = _tables(out)
     assert len(tables) == 3, out
     (h1, t1), (h2, t2), (h3, t3) = tables
@@ -84,16 +84,17 @@ def test_ci_size_prints_every_row_and_column() -> None:
     for ref in re.findall(r"skip \[(\d+)\]", out):
         assert re.search(rf"^\[{ref}\] \S+ on \S+: .+", out, re.M), out
     assert "Note: CI size leaves out entry_exit_1GB" in out, out
-    assert "2 repeats" in out and "`python benchmarks/bench_suite.py --size ci --rounds 1`" in out, out
+    assert "1 timed rounds × 1 repeats" in out, out
+    assert "`python benchmarks/bench_suite.py --size ci --rounds 1 --repeats 1`" in out, out
 
 
 @pytest.mark.slow
 def test_only_selects_workloads_by_name_or_prefix() -> None:
-    out = _run("--size", "ci", "--rounds", "1", "--repeats", "1", "--only", "micro_reads,entry_exit_49")
+    out = _run("--size", "ci", "--rounds", "1", "--repeats", "2", "--only", "micro_reads,entry_exit_49")
     tables = _tables(out)
     assert [list(rows) for _, rows in tables] == [["micro_reads"], ["entry_exit_49t"], ["entry_exit_49t"]], out
     cell = tables[0][1]["micro_reads"][tables[0][0].index("kvguard compiled")]
-    assert re.match(r"^\d+\.\d+$", cell), cell  # one repeat: one figure
+    assert re.match(r"^\d+\.\d+ / \d+\.\d+$", cell), cell  # two repeats: a figure each
 
 
 def test_size_lists_and_workload_sets() -> None:
