@@ -74,10 +74,24 @@ SLOTTED = textwrap.dedent("""
             print(kind.__name__, "freed" if ref() is None else "alive")
         gc.enable()
 
+    def wrapped():                      # ZeroRedundancyOptimizer's shape: its step() steps an inner optimizer
+        model = torch.nn.Linear(3, 2)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        class Wrapper(torch.optim.Optimizer):
+            def __init__(self):
+                super().__init__(model.parameters(), {})
+            def step(self, closure=None):
+                inner.step()
+
+        outer = Wrapper()
+        model(torch.randn(4, 3)).sum().backward(); outer.step()  # one optimizer step, not two
+
     Slotted().train()
     Holder().stray()
     unfreeze()
     freed()
+    wrapped()
     Hostile.train(object.__new__(Hostile))
     Loader().load(torch.nn.Linear(3, 2).state_dict())
     print("done")
@@ -99,7 +113,7 @@ def test_frames_without_dict_are_searched_under_the_env_switch(tmp_path: Path) -
                      "slotted.py:39 (no dispatched op): 1 write to adapter.weight",
                      "adapter.bias was modified in place by aten.add_.Tensor at slotted.py:40"):
         assert headline in err, err
-    assert "weights: 14 parameters and buffers watched over 5 optimizer steps, 6 writes at 6 sites" in err
+    assert "weights: 16 parameters and buffers watched over 6 optimizer steps, 6 writes at 6 sites" in err
 
 
 PYTEST_INNER = textwrap.dedent("""

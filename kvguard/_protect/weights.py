@@ -436,8 +436,10 @@ class ModuleSet(ProtectedSet):
 
     def begin_step(self, step: StepSet) -> StepSet:
         """An optimizer step starts: what it writes steps aside until `end_step` (admitted by the
-        write hook in C++ where it can, else left out of what is published)."""
-        self.steps += 1
+        write hook in C++ where it can, else left out of what is published). A step inside
+        another (ZeroRedundancyOptimizer's step() steps its inner optimizer) is the same step."""
+        if not self._active:
+            self.steps += 1
         self._active.append(step)
         if not step.entries:
             return step
