@@ -101,7 +101,7 @@ QUICK_LEAVES_OUT = {
     "test_bench_suite.py": "benchmark runs",
     "test_gpu_check.py": "the GPU check's runs",
     "test_fingerprints.py::test_dtensor_on_two_gloo_processes": "two gloo ranks",
-    "test_docs.py::test_mkdocs_build_strict": "CI builds the site (.ci/run)",
+    "test_docs.py::test_mkdocs_build_strict": "the site's build (CI has the docs extra)",
     "test_readme_flow.py::test_demo_then_tests_then_env_var_section": "the README's flow; kept: test_examples",
     "test_docs.py::test_samples_run": "the docs' samples; kept: test_examples, the README's quick start",
     "test_cli.py::test_run_chains_to_the_next_sitecustomize": "a variant of kvguard run",
