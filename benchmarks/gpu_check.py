@@ -468,6 +468,10 @@ def main() -> int:
                         "timing, train, models (default: all)")
     parser.add_argument("--engines", default="compiled,kernels,mode", help="engines the per-engine checks use")
     opts = parser.parse_args()
+    clean_jobs = list(filter(None, opts.clean_jobs.split(",")))
+    unknown = sorted(set(clean_jobs) - set(CLEAN_JOBS))
+    if unknown:
+        parser.error(f"unknown --clean-jobs {unknown}; known: {', '.join(CLEAN_JOBS)}")
     global DEVICE
     DEVICE = opts.device
     if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -496,7 +500,7 @@ def main() -> int:
     if "timing" in groups:
         attempt("timing", lambda: timing(opts.rounds))
     if not opts.skip_train and "train" in groups:
-        attempt("training", lambda: training(opts.train_rounds, list(filter(None, opts.clean_jobs.split(",")))))
+        attempt("training", lambda: training(opts.train_rounds, clean_jobs))
     if not opts.skip_train and opts.models and "models" in groups:
         attempt("real models", lambda: real_models(opts.models.split(","), opts.train_rounds))
     failed = [n for n, ok, _ in results if not ok]
