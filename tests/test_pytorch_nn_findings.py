@@ -61,7 +61,7 @@ def test_the_same_values_by_data_assignment_is_no_change() -> None:
     "is not stopped at its line: backward raises PyTorch's 'modified by an inplace operation' as plain "
     "PyTorch does. The same after any re-pointing let through under warn or record. The fix is the "
     "saved set's (kvguard/_protect/saved.py: protect the re-pointed tensor's new memory as "
-    "version-only), which another helper is editing"))
+    "version-only), designed, not built"))
 def test_after_the_conversion_a_write_to_the_parameter_is_stopped_at_its_line() -> None:
     with kvguard.guard_autograd(action="raise"):
         conv, x, out = conv_graph()
