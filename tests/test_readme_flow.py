@@ -18,6 +18,7 @@ import venv
 from pathlib import Path
 
 import pytest
+from processes import source_copy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,8 +39,9 @@ def test_demo_then_tests_then_env_var_section(tmp_path: Path) -> None:
     site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                check=True, capture_output=True, text=True).stdout.strip())
     pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps"]
-    subprocess.run([*pip, str(ROOT)], check=True, capture_output=True, cwd=tmp_path)  # the demo command's
-    subprocess.run([*pip, "-e", str(ROOT)], check=True, capture_output=True, cwd=tmp_path)  # the test command's
+    clone = source_copy(tmp_path / "clone")  # pip builds in the tree: not in the one the tests import from
+    subprocess.run([*pip, str(clone)], check=True, capture_output=True, cwd=tmp_path)  # the demo command's
+    subprocess.run([*pip, "-e", str(clone)], check=True, capture_output=True, cwd=tmp_path)  # the test command's
     (site / "00-test-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     assert (site / "kvguard.pth").exists(), "the editable install removed the wheel's kvguard.pth"
 

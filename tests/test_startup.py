@@ -17,7 +17,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from processes import free_port
+from processes import free_port, source_copy
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "examples" / "unchanged_job"
@@ -27,7 +27,8 @@ TARGET = "trainer_loss:compute_advantages_and_returns(rollout_data)"
 @pytest.fixture(scope="session")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(ROOT), "-w", str(out)],
+    source = source_copy(tmp_path_factory.mktemp("source") / "kvguard")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(source), "-w", str(out)],
                    check=True, capture_output=True)
     (whl,) = out.glob("kvguard-*.whl")
     return whl
