@@ -99,7 +99,7 @@ model = peft.get_peft_model(transformers.LlamaForCausalLM(config),
 if BUG:
     layer = model.base_model.model.model.layers[1].self_attn.q_proj
     layer.lora_B["default"].weight.data.zero_()  # the bug: resets a trained adapter between steps
-merged = model.merge_and_unload(safe_merge=SAFE)
+merged = model.merge_and_unload()  # safe_merge=True: the PiSSA job's
 torch.save({"losses": losses, "grads": grads, "weights": [t.clone() for t in merged.state_dict().values()]}, OUT)
 '''
 
@@ -229,7 +229,7 @@ def test_timm_resnet_with_batch_norm_and_ema_is_clean_bitwise_and_a_stray_write_
 
 def test_peft_lora_training_then_merge_is_clean_bitwise_and_its_merge_intended(tmp_path: Path) -> None:
     _needs("peft", "transformers")
-    lines = _clean_and_bitwise(tmp_path, PEFT_JOB, "peft", SAFE=False)  # safe_merge=True: the PiSSA job's
+    lines = _clean_and_bitwise(tmp_path, PEFT_JOB, "peft")
     # 2 layers x (q_proj, v_proj): `+=` on `.data` is one add_ (its `.data =` lays out the same
     # elements again: no re-point)
     assert "  allowed: 4 writes by intended writer peft LoRA merge" in lines
@@ -239,7 +239,7 @@ def test_peft_lora_training_then_merge_is_clean_bitwise_and_its_merge_intended(t
 
 def test_peft_a_stray_write_to_an_adapter_is_caught_at_its_line(tmp_path: Path) -> None:
     _needs("peft", "transformers")
-    stderr = _caught(tmp_path, PEFT_JOB, "peft", 'weight.data.zero_()', SAFE=False)
+    stderr = _caught(tmp_path, PEFT_JOB, "peft", 'weight.data.zero_()')
     assert ("lora_B.default.weight would be modified in place by aten.zero_.default" in stderr)
 
 
