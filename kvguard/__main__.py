@@ -119,8 +119,32 @@ def _version_text() -> str:
 
     from kvguard._report.files import _version
 
-    torch = _version("torch")
+    torch = _torch_version() or _version("torch")
     return f"kvguard {kvguard.__version__} ({f'torch {torch}, ' if torch else ''}Python {platform.python_version()})"
+
+
+def _torch_version() -> Optional[str]:
+    """`torch.__version__` as importing torch would say it, read from `torch/version.py`.
+
+    The wheel's metadata can lack the local tag: the index's CUDA builds are `2.13.0` there
+    and `2.13.0+cu130` in torch itself.
+    """
+    import importlib.util
+    import re
+
+    try:
+        spec = importlib.util.find_spec("torch")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        for folder in spec.submodule_search_locations:
+            path = os.path.join(folder, "version.py")
+            if os.path.isfile(path):
+                with open(path, encoding="utf-8") as fh:
+                    found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", fh.read(), re.MULTILINE)
+                return found[1] if found else None
+    except (ImportError, OSError, ValueError):
+        return None
+    return None
 
 
 def _discard_stdout() -> None:

@@ -73,6 +73,8 @@ QUICK_LEAVES_OUT = {
     "test_write_hook.py::test_a_failed_build_is_remembered": "a build",
     "test_write_hook.py::test_build_without_a_compiler_returns_none_with_a_reason": "a build",
     "test_write_hook.py::test_two_processes_building_together_build_once_and_both_load": "two builds",
+    "test_write_hook.py::test_the_compiler_gets_the_cxx_standard_torch_was_built_as": "a build",
+    "test_write_hook.py::test_a_compiler_without_torchs_standard_builds_as_cxx17": "two builds",
     "test_engines.py::test_without_a_compiler_the_kernels_engine_guards": "a build",
     "test_engines.py::test_without_a_compiler_and_no_cxx_the_reason_says_set_cxx": "a build",
     "test_engines.py::test_the_compiled_engine_in_a_fresh_process": "the engines' processes; kept: the engine fixture",

@@ -298,7 +298,9 @@ def test_a_failed_build_is_remembered_until_rebuild(plain_python: Path, tmp_path
     assert (first.returncode, first.stdout) == (1, "")
     building, reason = first.stderr.splitlines(keepends=True)
     assert BUILD_LINE.fullmatch(building), first.stderr
-    assert re.fullmatch(re.escape(NOT_AVAILABLE) + r"the compiler failed: see (\S+/build\.log)\n", reason), reason
+    # One line that names the compiler's first error, then where its whole output is.
+    assert re.fullmatch(re.escape(NOT_AVAILABLE) + r"the compiler failed: error: simulated failure; "
+                        r"the whole output is in (\S+/build\.log)\n", reason), reason
     [log] = (tmp_path / "cache").rglob("build.log")
     assert "simulated failure" in log.read_text() and str(log) in reason
     # Not retried on its own: the same reason, no build, and how to retry.
@@ -433,6 +435,20 @@ def test_version_is_printed(plain_python: Path, tmp_path: Path, command: list[st
     result = run(plain_python, *command, "--version", cwd=tmp_path)
     assert result.returncode == 0 and result.stderr == ""
     assert result.stdout == f"kvguard {kvguard.__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})\n"
+
+
+def test_version_names_torchs_own_version_not_its_wheels(plain_python: Path, tmp_path: Path) -> None:
+    # The index's CUDA wheels say `2.13.0` in their metadata and `2.13.0+cu130` in torch.__version__:
+    # --version says what torch says, still without importing it (this torch fails to import).
+    fake = tmp_path / "fake-site"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text("raise ImportError('--version imported torch')\n")
+    (fake / "torch" / "version.py").write_text("__version__ = '9.8.7+cu999'\ngit_version = 'abc'\n")
+    (fake / "torch-9.8.7.dist-info").mkdir()
+    (fake / "torch-9.8.7.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 9.8.7\n")
+    result = run(plain_python, "-m", "kvguard", "--version", cwd=tmp_path, pythonpath=(fake, ROOT))
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout == f"kvguard {kvguard.__version__} (torch 9.8.7+cu999, Python {sys.version.split()[0]})\n"
 
 
 def test_version_flag_without_a_command_is_still_a_usage_error(plain_python: Path, tmp_path: Path) -> None:

@@ -857,7 +857,8 @@ def test_a_failed_build_is_remembered(write_hook_module: ModuleType, tmp_path: P
     cache = tmp_path / "cache"
     env = _child_env(CXX=str(broken), KVGUARD_CACHE_DIR=str(cache))
     first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert first.stdout.splitlines()[0] == "True" and "the compiler failed" in first.stdout, first
+    assert first.stdout.splitlines()[0] == "True", first
+    assert first.stdout.splitlines()[1].startswith("the compiler failed: error: simulated failure; "), first
     logs = list(cache.rglob("build.log"))
     assert len(logs) == 1 and "simulated failure" in logs[0].read_text()
     second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
@@ -865,3 +866,66 @@ def test_a_failed_build_is_remembered(write_hook_module: ModuleType, tmp_path: P
     third = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                            env={**env, "KVGUARD_REBUILD": "1"})
     assert "building" in third.stderr and "the compiler failed" in third.stdout, third
+
+
+def _torch_release() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def test_the_compiler_gets_the_cxx_standard_torch_was_built_as(write_hook_module: ModuleType,
+                                                               tmp_path: Path) -> None:
+    # torch 2.14's headers need C++20 (std::strong_ordering in c10/util/intrusive_ptr.h); a fixed
+    # -std=c++17 made every build there fail and every guard fall back to a slower engine.
+    standard = _build.cxx_standard()
+    shown = torch.__config__.show()
+    assert standard in ("c++17", "c++20", "c++23", "c++26"), standard
+    if "C++ Version: 2020" in shown:
+        assert standard == "c++20"
+    if _torch_release() >= (2, 14):
+        assert standard != "c++17", shown
+    argv = tmp_path / "argv"
+    fake = tmp_path / "recording-cxx"
+    fake.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        printf '%s\\n' "$@" >> {argv}
+        while [ $# -gt 1 ]; do [ "$1" = -o ] && out="$2"; shift; done
+        cp {write_hook_module.__file__} "$out"
+    """))
+    fake.chmod(0o755)
+    code = "from kvguard._native import build as b; print(b.build(force=True))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=_child_env(CXX=str(fake), KVGUARD_CACHE_DIR=str(tmp_path / "cache")))
+    assert proc.stdout.startswith("(True, "), (proc.stdout, proc.stderr)
+    passed = argv.read_text().splitlines()
+    assert [a for a in passed if a.startswith("-std=")] == [f"-std={standard}"], passed
+
+
+def test_a_compiler_without_torchs_standard_builds_as_cxx17(write_hook_module: ModuleType, tmp_path: Path) -> None:
+    standard = _build.cxx_standard()
+    if standard == "c++17":
+        pytest.skip(f"torch {torch.__version__} was built as C++17: there is nothing older to fall back to")
+    # As g++ 9 answers -std=c++20: the option refused before any code is read.
+    fake = tmp_path / "old-cxx"
+    fake.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        for a in "$@"; do
+          [ "$a" = -std={standard} ] && echo "old-cxx: error: unrecognized command-line option '$a'" >&2 && exit 1
+        done
+        while [ $# -gt 1 ]; do [ "$1" = -o ] && out="$2"; shift; done
+        cp {write_hook_module.__file__} "$out"
+    """))
+    fake.chmod(0o755)
+    code = "from kvguard._native import build as b; print(b.load() is not None, b.reason())"
+    env = _child_env(CXX=str(fake), KVGUARD_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.stdout.startswith("True loaded from "), (proc.stdout, proc.stderr)
+    assert proc.stderr.count("kvguard: building") == 1 and "kvguard: built" in proc.stderr, proc.stderr
+    # When C++17 fails too (torch 2.14's headers), the one line says both.
+    fake.write_text(fake.read_text().replace("cp ", "echo 'x.h:1:1: error: no strong_ordering' >&2; exit 1; cp "))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**env, "KVGUARD_REBUILD": "1"})
+    assert proc.stdout.startswith("False the compiler failed: x.h:1:1: error: no strong_ordering "
+                                  f"(torch {torch.__version__} was built as {standard.upper()}, which this "
+                                  f"compiler does not support: {fake}); the whole output is in "), proc.stdout
+    assert proc.stdout.count("\n") == 1

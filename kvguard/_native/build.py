@@ -21,6 +21,7 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -39,7 +40,8 @@ MODULE_NAME = "kvguard._native.write_hook"
 SOURCE = Path(__file__).parent / "csrc" / "write_hook.cpp"  # the translation unit
 HEADERS = tuple(SOURCE.with_name(name) for name in ("describe.h", "python_api.h", "table.h"))  # it includes
 # Bump when the compile command below changes, so caches built the old way are not reused.
-_RECIPE = "1"
+# 2: the C++ standard is torch's own (C++20 from torch 2.10's wheels on), not always C++17.
+_RECIPE = "2"
 _COMPILE_TIMEOUT_S = 900.0
 
 _lock = threading.Lock()
@@ -118,16 +120,38 @@ def _unsupported() -> Optional[str]:
     return None
 
 
-def _compile_command(compiler: list[str], output: Path) -> list[str]:
+def cxx_standard() -> str:
+    """The C++ standard torch itself was compiled as (`c++20`, `c++17`), which its headers are written for.
+
+    torch 2.14's headers need C++20 (`std::strong_ordering`, `string_view::starts_with`);
+    older ones compile as C++17 or C++20. `torch.__config__.show()` names the standard of
+    torch's own build (`C++ Version: 202002`, the compiler's `__cplusplus`); C++17 where it
+    does not say (imports torch).
+    """
     import torch
-    import torch.utils.cpp_extension as cpp_extension
+
+    try:
+        shown = torch.__config__.show()
+    except Exception:  # noqa: BLE001 - a build without it compiles as the oldest torch did
+        shown = ""
+    match = re.search(r"C\+\+ Version: (\d{4})\d\d", shown)
+    year = int(match[1]) if match else 2017
+    return f"c++{max(year, 2017) % 100:02d}"
+
+
+def _compile_command(compiler: list[str], output: Path, standard: str) -> list[str]:
+    import torch
 
     from kvguard import _torch  # imports torch, as this function does
 
     lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
-    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    # torch.utils.cpp_extension.include_paths() for a CPU extension, without importing that
+    # module: on a CUDA build with no CUDA runtime its import logs "No CUDA runtime is found".
+    torch_include = os.path.join(os.path.dirname(torch.__file__), "include")
+    includes = [torch_include, os.path.join(torch_include, "torch", "csrc", "api", "include"),
+                sysconfig.get_paths()["include"]]
     return [
-        *compiler, "-O2", "-std=c++17", "-fPIC", "-shared",
+        *compiler, "-O2", f"-std={standard}", "-fPIC", "-shared",
         f"-D_GLIBCXX_USE_CXX11_ABI={_torch.cxx11_abi()}",
         "-DTORCH_EXTENSION_NAME=write_hook",
         *(f"-I{p}" for p in includes),
@@ -156,6 +180,38 @@ def _unlink(path: Path) -> None:
         pass
 
 
+def _run(command: list[str]) -> tuple[bool, str, str]:
+    """Runs the compiler: ok, its output, and (when not ok) why, before the log's path."""
+    try:
+        proc = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, timeout=_COMPILE_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired as exc:
+        output = exc.stdout.decode("utf-8", "replace") if isinstance(exc.stdout, bytes) else ""
+        return False, output, f"the compiler timed out after {_COMPILE_TIMEOUT_S:.0f} s"
+    except OSError as exc:
+        return False, str(exc), f"the compiler could not run ({exc})"
+    output = proc.stdout.decode("utf-8", "replace")
+    if proc.returncode == 0:
+        return True, output, ""
+    first = first_error(output)
+    return False, output, f"the compiler failed: {first}" if first else "the compiler failed"
+
+
+def first_error(output: str) -> str:
+    """The compiler's first error, on one line and short, with torch's include directory cut off."""
+    for line in output.splitlines():
+        if re.search(r"\berror\b", line, re.IGNORECASE):
+            line = re.sub(r"\S*/include/(?=\S)", "", line.strip())  # .../torch/include/c10/... -> c10/...
+            return line if len(line) <= 200 else line[:199] + "…"
+    return ""
+
+
+def _rejects_standard(output: str, standard: str) -> bool:
+    """Whether the compiler refused the `-std=` option itself (too old for it), not the code."""
+    return f"-std={standard}" in output and re.search(r"unrecognized|invalid value|unknown|not supported",
+                                                       output, re.IGNORECASE) is not None
+
+
 def _compile(directory: Path, compiler: list[str], *, verbose: bool) -> tuple[bool, str]:
     """Compiles into `directory` (the caller holds its lock). Returns ok and where, or why not."""
     so_path = directory / _so_name()
@@ -169,30 +225,29 @@ def _compile(directory: Path, compiler: list[str], *, verbose: bool) -> tuple[bo
     fd, tmp_name = tempfile.mkstemp(dir=directory, prefix="write_hook.", suffix=".tmp.so")
     os.close(fd)
     tmp = Path(tmp_name)
-    command = _compile_command(compiler, tmp)
+    standard = cxx_standard()
+    command = _compile_command(compiler, tmp, standard)
     try:
         started, cpu_before = time.monotonic(), _children_cpu()
-        try:
-            proc = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, timeout=_COMPILE_TIMEOUT_S, check=False)
-            output = proc.stdout.decode("utf-8", "replace")
-            ok = proc.returncode == 0
-            why = f"the compiler failed: see {log}"
-        except subprocess.TimeoutExpired as exc:
-            output = (exc.stdout or b"").decode("utf-8", "replace") if isinstance(exc.stdout, bytes) else ""
-            ok = False
-            why = f"the compiler timed out after {_COMPILE_TIMEOUT_S:.0f} s: see {log}"
-        except OSError as exc:
-            output = str(exc)
-            ok = False
-            why = f"the compiler could not run ({exc}): see {log}"
+        ok, output, why = _run(command)
+        transcript = shlex.join(command) + "\n\n" + output
+        note = ""
+        if not ok and standard != "c++17" and _rejects_standard(output, standard):
+            # A compiler older than torch's standard: torch <= 2.13's headers still compile as
+            # C++17 (2.14's do not, and then the failure names what is missing).
+            note = (f" (torch {torch.__version__} was built as {standard.upper()}, which this compiler "
+                    f"does not support: {shlex.join(compiler)})")
+            command = _compile_command(compiler, tmp, "c++17")
+            ok, output, why = _run(command)
+            transcript += "\n\n" + shlex.join(command) + "\n\n" + output
         if verbose and output:
             print(output, file=sys.stderr)
         if ok:  # a wait of a minute says when it is over; a failure is said by the caller
             print(f"kvguard: built the compiled write hook in {time.monotonic() - started:.1f} s "
                   f"({_children_cpu() - cpu_before:.1f} s of CPU)", file=sys.stderr, flush=True)
         if not ok:
-            _write_text(log, shlex.join(command) + "\n\n" + output)
+            why = f"{why}{note}; the whole output is in {log}"
+            _write_text(log, transcript)
             _write_text(failed, why)
             return False, why
         os.chmod(tmp, 0o755)  # mkstemp made it private; other users may share the cache
