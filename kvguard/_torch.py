@@ -764,6 +764,86 @@ def exit_dispatch_mode(mode: Any, exc_info: tuple[Any, Any, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# An inductor-compiled graph writes the inputs it mutates inside its own kernels, where no
+# op is dispatched. Its artifact knows which inputs those are before it runs
+# (`CompiledFxGraph.mutated_input_idxs`), and its post-grad graph says at which source
+# line: while a guard is active, each call of a graph that mutates an input asks the
+# listeners first. Patched on the class when inductor is imported (never imported here).
+
+GraphListener = Callable[[Any, Sequence[Any]], Optional[Callable[[bool], None]]]  # (graph, inputs) -> after(failed)
+_graph_listeners: list[GraphListener] = []
+_GRAPH_MODULES = ("torch._inductor.output_code", "torch._inductor.codecache")  # where CompiledFxGraph lives, newest first
+
+
+def on_compiled_graph_call(listener: GraphListener) -> Callable[[], None]:
+    """Call `listener(graph, inputs)` before every call of an inductor-compiled graph that mutates
+    one of its inputs; it returns what to run after (or None). Returns the undo."""
+    if not _graph_listeners:
+        import wrapt
+
+        for name in _GRAPH_MODULES:
+            wrapt.register_post_import_hook(_patch_compiled_graph, name)
+    _graph_listeners.append(listener)
+
+    def remove() -> None:
+        if listener in _graph_listeners:
+            _graph_listeners.remove(listener)
+    return remove
+
+
+def _patch_compiled_graph(module: Any) -> None:
+    """Wrap `CompiledFxGraph.__call__` once: a graph that mutates no input, or any graph while
+    no guard listens, costs one attribute read and one list test."""
+    cls = getattr(module, "CompiledFxGraph", None)
+    call = getattr(cls, "__call__", None)
+    if cls is None or call is None or getattr(call, "_kvguard_graph", False):
+        return
+
+    def __call__(self: Any, inputs: Sequence[Any]) -> Any:
+        if not _graph_listeners or not getattr(self, "mutated_input_idxs", None):
+            return call(self, inputs)
+        afters = [a for a in (listener(self, inputs) for listener in list(_graph_listeners)) if a is not None]
+        if not afters:
+            return call(self, inputs)
+        try:
+            out = call(self, inputs)
+        except BaseException:
+            for after in afters:
+                after(True)
+            raise
+        for after in afters:
+            after(False)
+        return out
+
+    __call__._kvguard_graph = True  # type: ignore[attr-defined]
+    functools.update_wrapper(__call__, call)
+    cls.__call__ = outside_dynamo(__call__)
+
+
+def mutated_inputs(graph: Any, inputs: Sequence[Any]) -> list[tuple[int, torch.Tensor]]:
+    """(position, tensor) of each input the compiled graph writes."""
+    return [(i, inputs[i]) for i in sorted(graph.mutated_input_idxs)
+            if i < len(inputs) and isinstance(inputs[i], torch.Tensor)]
+
+
+def dynamo_generated(code: Any) -> bool:
+    """Whether `code` is bytecode Dynamo wrote (a compiled function's frame, a resume function):
+    its line numbers say little of where the user's code is."""
+    try:
+        from torch._dynamo import convert_frame
+    except Exception:  # noqa: BLE001 - a torch without Dynamo
+        return False
+    return code in convert_frame.output_codes
+
+
+def compiled_graph_text(graph: Any) -> str:
+    """The post-grad FX graph the artifact was generated from, as Python source with each
+    node's `# File: ..., code: ...` comment ("" where this torch keeps none). On an FX graph
+    cache hit it is the text of the first compile of an equal graph: check its lines."""
+    return str(getattr(graph, "inductor_post_grad_graph_str", "") or "")
+
+
+# ---------------------------------------------------------------------------------------
 # torch.utils.swap_tensors dispatches nothing, and refuses tensors with weak references
 # (which the protected set holds). While a guard is active the function is wrapped so
 # the guard can report the swap and step its weak references aside.
@@ -1036,8 +1116,12 @@ def current_dispatch_modes() -> list[Any]:
     return list(_get_current_dispatch_mode_stack())
 
 
-def outside_dynamo(fn: Any) -> Any:
+def outside_dynamo(fn: Any, callees: bool = False) -> Any:
     """`fn`, never traced by Dynamo, and run eagerly, with what it calls, from `torch.compile`d code.
+
+    `callees=True`: only `fn`'s own frame is skipped; what it calls is compiled as if called
+    from the compiled code directly (a wrapper around the user's `opt.step` stays out of its
+    graphs, while the step itself is compiled as without kvguard).
 
     kvguard's wrappers, kernels and callbacks run inside compiled functions too, where
     Dynamo would trace them (and crash on weak references, frames, dispatch modes). The
@@ -1050,9 +1134,10 @@ def outside_dynamo(fn: Any) -> Any:
         from torch._C._dynamo import eval_frame
 
         skip = eval_frame._FrameAction.SKIP
-        eval_frame.set_code_exec_strategy(fn.__code__, eval_frame._FrameExecStrategy(skip, skip))
+        inside = eval_frame._FrameAction.DEFAULT if callees else skip
+        eval_frame.set_code_exec_strategy(fn.__code__, eval_frame._FrameExecStrategy(skip, inside))
     except Exception:  # noqa: BLE001 - another torch: the slow wrapper
-        return getattr(torch, "_disable_dynamo")(fn)
+        return getattr(torch, "_disable_dynamo")(fn, recursive=not callees)
     try:
         setattr(fn, "_torchdynamo_disable", True)
         setattr(fn, "_torchdynamo_disable_msg", "kvguard runs eagerly")
@@ -1244,3 +1329,12 @@ def argument_count(func: Any) -> int:
     """How many arguments the op's schema takes (`aten.relu_`: 1, `self` only); 0 when it has no schema."""
     schema = getattr(func, "_schema", None)
     return len(schema.arguments) if schema is not None else 0
+
+
+def end_dataloader_workers(iterator: Any) -> None:
+    """End a DataLoader iterator's worker processes as deleting it does: each worker leaves its
+    loop and exits normally (its exit functions run). Nothing for an iterator without workers,
+    or one shut down already."""
+    shut_down = getattr(iterator, "_shutdown_workers", None)
+    if callable(shut_down):
+        shut_down()

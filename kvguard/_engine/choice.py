@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any, Optional, Union, cast
 import torch
 
 from kvguard import _config
-from kvguard._engine import kernels
+from kvguard._engine import graphs, kernels
 from kvguard._engine.backend import Backend
 from kvguard._engine.hooks import HookEngine
 from kvguard._engine.judge import WriteJudge
-from kvguard._engine.mode import ModeAttachment
+from kvguard._engine.mode import ModeAttachment, thread_judges
 from kvguard._native import build as _build
 from kvguard._text import say
 
@@ -131,6 +131,7 @@ def _backend(name: str) -> Union[Backend, str]:
 
 def attach(judge: WriteJudge) -> Any:
     """Start reporting writes to `judge`; returns the attachment (`.engine`, `.ops`, `.detach(exc_info)`)."""
+    graphs.listen(active_judges)  # every engine: compiled graphs write where none of them looks
     name = choose()
     if name != "mode":
         try:
@@ -140,6 +141,12 @@ def attach(judge: WriteJudge) -> Any:
             _say_once(f"failed:{name}", f"kvguard: the {name} engine failed ({_unavailable[name]}); "
                                         "using the dispatch mode")
     return ModeAttachment(judge)
+
+
+def active_judges() -> list[WriteJudge]:
+    """Every active guard's judge, in the order a write reaches them: the write hook's, innermost
+    first, then this thread's dispatch modes'."""
+    return [j for hook in list(_hook_engines.values()) for j in reversed(list(hook.judges))] + thread_judges()
 
 
 def _say_once(key: str, line: str) -> None:

@@ -82,6 +82,9 @@ def judge_all(judges: Iterable[WriteJudge], func: Any, facts: _torch.OpFacts, wr
     `MutationError` is raised: a write touching several guards' memory is in each report.
     """
     _local.stopped = False
+    judged = getattr(_local, "graph_storages", None)
+    if judged and all(_storage_address(t) in judged for t in written):
+        return []  # a compiled graph's own write to an input it mutates: judged before the graph ran
     pending: list[PendingWrite] = []
     stop: Optional[MutationError] = None
     for judge in judges:
@@ -102,6 +105,25 @@ def judge_all(judges: Iterable[WriteJudge], func: Any, facts: _torch.OpFacts, wr
         found.stopped()
     _local.stopped = True  # the judges of engines that saw the op before these report it blocked too
     raise stop
+
+
+def judged_as_graph_writes(tensors: Sequence[torch.Tensor]) -> Callable[[], None]:
+    """While a compiled graph whose writes to `tensors` were judged runs on this thread, the ops
+    it dispatches into their memory are not judged again (an inductor wrapper's `aten.copy_`).
+    Returns the undo."""
+    outer = getattr(_local, "graph_storages", None)
+    _local.graph_storages = (outer or frozenset()) | {_storage_address(t) for t in tensors}
+
+    def undo() -> None:
+        _local.graph_storages = outer
+    return undo
+
+
+def _storage_address(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except Exception:  # noqa: BLE001 - no storage (a subclass): never taken for another's
+        return -id(tensor)
 
 
 class WriteJudge:

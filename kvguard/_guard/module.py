@@ -233,11 +233,14 @@ def _wrap_step(optimizer: Any, guard: ModuleGuard) -> Any:
     Nothing here holds the optimizer strongly, the instance's own `step` included: a
     reference cycle would keep it (and its state) alive after `del opt`.
     """
+    from kvguard import _torch
+
     own = vars(optimizer).get("step")  # an LR scheduler's wrapper already (it holds the optimizer weakly)
     inner = own if own is not None else type(optimizer).step  # called with the optimizer, if not its own
     active: list[Optional[ModuleGuard]] = [guard]  # None once undone: nothing of the guard kept alive
     optimizer_ref = weakref.ref(optimizer)
 
+    @functools.partial(_torch.outside_dynamo, callees=True)
     def run(self: Any, args: Any, kwargs: Any) -> Any:
         return inner(*args, **kwargs) if own is not None else inner(self, *args, **kwargs)
 
@@ -253,9 +256,12 @@ def _wrap_step(optimizer: Any, guard: ModuleGuard) -> Any:
             owner.stepped(token)
 
     # Bound as torch's LR schedulers expect of `optimizer.step` (they wrap its `__func__`), weakly.
-    # The undo knows it by a marker, not by the function.
+    # The undo knows it by a marker, not by the function. Inside `torch.compile`d code the
+    # wrapper runs eagerly (the guard's bookkeeping is no graph) and the step it calls is
+    # compiled as without kvguard: the same graphs and graph breaks.
     marker = step_method._kvguard_step = object()  # type: ignore[attr-defined]
-    optimizer.step = WeaklyBound(step_method, optimizer)
+    optimizer.step = WeaklyBound(_torch.outside_dynamo(step_method, callees=True), optimizer)
+    _step_outside_dynamo()
     del step_method
 
     def undo() -> None:
@@ -268,6 +274,17 @@ def _wrap_step(optimizer: Any, guard: ModuleGuard) -> Any:
             else:
                 del opt.step
     return undo
+
+
+def _step_outside_dynamo() -> None:
+    """The step wrapper's frames and the guard's bookkeeping run eagerly under `torch.compile`
+    (marked once, when torch is there): Dynamo neither traces them nor breaks a graph inside them."""
+    from kvguard import _torch
+
+    if not getattr(ModuleGuard.stepping, "_torchdynamo_disable", False):
+        ModuleGuard.stepping = _torch.outside_dynamo(ModuleGuard.stepping)  # type: ignore[method-assign]
+        ModuleGuard.stepped = _torch.outside_dynamo(ModuleGuard.stepped)  # type: ignore[method-assign]
+        WeaklyBound.__call__ = _torch.outside_dynamo(WeaklyBound.__call__, callees=True)  # type: ignore[method-assign]
 
 
 class WeaklyBound:

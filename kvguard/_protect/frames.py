@@ -16,6 +16,7 @@ import os
 import re
 import sys
 import sysconfig
+import threading
 import types
 from typing import Any, Collection, Iterator, NamedTuple, Optional
 
@@ -140,8 +141,43 @@ UNKNOWN_SITE = Site("<unknown>", 0, "<unknown>", "")
 
 
 def user_site() -> Site:
-    """Where the user's code is now: the innermost frame outside torch, kvguard and wrapt."""
+    """Where the user's code is now: the innermost frame outside torch, kvguard and wrapt
+    (or the site a caller named with `located`, for writes no frame shows)."""
+    named: Optional[Site] = getattr(_located, "site", None)
+    if named is not None:
+        return named
     return site_of(next(user_frames(sys._getframe(1)), None))
+
+
+class located:
+    """`with located(site):` reports made on this thread inside the block are at `site`:
+    a compiled graph's write is at its source line, which no Python frame runs."""
+
+    def __init__(self, site: Site) -> None:
+        self.site = site
+
+    def __enter__(self) -> Site:
+        self._outer = getattr(_located, "site", None)
+        _located.site = self.site
+        return self.site
+
+    def __exit__(self, *exc: Any) -> None:
+        _located.site = self._outer
+
+
+_located = threading.local()
+
+
+_FX_COMMENT = re.compile(r"#\s*File: (?P<file>.+?):(?P<line>\d+) in (?P<function>\S+), code: (?P<code>.*)$")
+
+
+def fx_comment_site(comment: str) -> Optional[Site]:
+    """The site an FX node comment names (`# File: job.py:7 in shape, code: k *= coef`), as the
+    comment says it: a cached graph's comment may be older than the file, or from another file."""
+    found = _FX_COMMENT.search(comment)
+    if found is None:
+        return None
+    return Site(found["file"], int(found["line"]), found["function"], found["code"].strip())
 
 
 def site_of(frame: Optional[types.FrameType]) -> Site:
