@@ -3,17 +3,25 @@
 Each `Writer` names a library, the version range it was read in, the functions that make
 the write, what they write and why that write is meant. Two ways of applying them:
 
-- `how="scope"`: every write made while one of `functions` runs (found on the writing
-  op's stack, as a `module:qualname` in `allow=` is) is allowed with no setting, counted
-  as `intended writer NAME`, in the guards of its target (`weights`: `guard_module` and
-  `KVGUARD_TARGETS=weights`; `autograd`: `guard_autograd`), when the installed version of
-  the library is inside `versions`; outside it, the writes are reported as any other.
+- `how="scope"`: a write made while one of `functions` runs (found on the writing op's
+  stack, as a `module:qualname` in `allow=` is) *to a tensor that function is meant to
+  write* is allowed with no setting, counted as `intended writer NAME`, in the guards of
+  its target (`weights`: `guard_module` and `KVGUARD_TARGETS=weights`; `autograd`:
+  `guard_autograd`), when the installed version of the library is inside `versions`.
+  What a function is meant to write is named after it, as the arguments that hold it:
+  `merge(self)` may write the tensors of its own module (every parameter and buffer of
+  `self` and its submodules), `normal_(tensor)` the tensor given, `_init_weights(module|m|self)`
+  those of the first of these arguments the function has. Any other write made while it
+  runs (a `reset_parameters()` that also zeroes another module's weight) is reported as
+  any other. Outside `versions`, the writes are reported, with a hint naming the writer
+  and the versions it was read in (`hint`).
 - `how="rule"`: kvguard's own code tells these writes apart (`where` names it); they are
   listed here so that the CLI (`python -m kvguard intended`) and the docs show every write
   let through with no setting.
 
 A user's `allow=`, `KVGUARD_ALLOW` and `kvguard.allow()` still work beside them. Stdlib
-only: the CLI lists them without importing torch.
+only at import: the CLI lists them without importing torch (torch is imported only to
+judge a write, which torch made).
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import fnmatch
 import functools
 import re
 import types
-from typing import Iterable, Optional
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
 WEIGHTS = "weights"
 AUTOGRAD = "autograd"
@@ -36,13 +44,17 @@ class Writer:
     name: str  # how reports and the exit line name it: `intended: peft LoRA merge`
     target: str  # WEIGHTS or AUTOGRAD: which guards let it write
     distribution: str  # the pip name whose installed version `versions` is checked against
-    versions: str  # `>=0.21,<1`: where it was read and tested, and is applied
-    read_in: str  # the version whose source was read
-    functions: tuple[str, ...]  # `module:qualname`; `*` matches any run of characters
+    versions: str  # `>=0.10,<1`: where it was read (and where tested), and is applied
+    read_in: str  # the versions whose source was read, comma-separated: `0.10.0, 0.13.2, 0.21.2`
+    # `module:qualname` (`*` matches any run of characters), then what the function is meant to
+    # write: `(self)`, `(tensor)`, `(module|m|self)` (the first of these arguments it has); with no
+    # parentheses, every write made while it runs (the rules, whose code judges the tensor)
+    functions: tuple[str, ...]
     writes: str  # what they write
     why: str  # why the write is meant
     how: str = "scope"  # "scope": applied on the stack, from this table; "rule": in kvguard's code
     where: str = ""  # for a rule: the code that applies it
+    tested: str = ""  # the versions the real-library jobs ran clean in (tests/test_real_libraries.py)
 
     def applies(self) -> bool:
         """Whether the installed version (if any) is inside `versions`: a scope applies only then."""
@@ -50,71 +62,101 @@ class Writer:
         return installed is None or in_range(installed, self.versions)
 
 
+# The versions each library's writers were read in (the functions named, at each version: the same
+# writes, by the same functions, to the same arguments' tensors; see docs/weights.md).
+_PEFT_READ = "0.10.0, 0.11.1, 0.12.0, 0.13.2, 0.14.0, 0.15.2, 0.16.0, 0.17.1, 0.18.1, 0.19.1, 0.20.0, 0.21.2"
+_TRANSFORMERS_READ = ("4.40.2, 4.43.4, 4.46.3, 4.49.0, 4.51.3, 4.53.3, 4.55.4, 4.57.1, 4.57.6, 5.0.0, 5.5.0, 5.5.4, "
+                      "5.6.0, 5.8.1, 5.10.4, 5.15.0, 5.20.2, 5.25.0")
+_TRL_READ = ("0.9.6, 0.10.1, 0.11.4, 0.12.2, 0.13.0, 0.15.2, 0.17.0, 0.19.1, 0.21.0, 0.23.1, 0.24.0, 0.26.2, 0.29.1, "
+             "1.0.0, 1.8.0, 1.16.0")
+
 WRITERS: tuple[Writer, ...] = (
     Writer(
-        "peft LoRA merge", WEIGHTS, "peft", ">=0.21,<1", "0.21.2",
-        ("peft.tuners.*:*.merge", "peft.tuners.*:*.unmerge"),
-        "the base layer's weight (and bias): `base_layer.weight.data += delta` (safe_merge=True: a merged copy, "
-        "re-pointed with `base_layer.weight.data = merged`); unmerge subtracts it again",
+        "peft LoRA merge", WEIGHTS, "peft", ">=0.10,<1", _PEFT_READ,
+        ("peft.tuners.*:*.merge(self)", "peft.tuners.*:*.unmerge(self)"),
+        "the base layer's weight (and bias) of the adapter layer merged: `base_layer.weight.data += delta` "
+        "(peft 0.10 and 0.11: `base_layer.weight.data = base_layer.weight.data + delta`; safe_merge=True: a "
+        "merged copy, re-pointed with `base_layer.weight.data = merged`); unmerge subtracts it again",
         "merge_and_unload(), merge_adapter() and unmerge_adapter() fold the trained adapter into the base "
-        "weights (trl's GRPO merges before each vLLM weight sync and unmerges after): the write the user asked for"),
+        "weights (trl's GRPO merges before each vLLM weight sync and unmerges after): the write the user asked for",
+        tested="0.21.2"),
     Writer(
-        "peft LoRA initialisation from the base weights", WEIGHTS, "peft", ">=0.21,<1", "0.21.2",
-        ("peft.tuners.lora.layer:*.pissa_init", "peft.tuners.lora.layer:*.olora_init",
-         "peft.tuners.lora.layer:*.corda_init", "peft.tuners.lora.layer:*.loftq_init",
-         "peft.tuners.lora.layer:*.lora_ga_init"),
-        "the base layer's weight: `base_layer.weight.data = weight - scaling * B @ A` (PiSSA, OLoRA, CorDA, "
-        "LoRA-GA), or its quantised form (LoftQ)",
+        "peft LoRA initialisation from the base weights", WEIGHTS, "peft", ">=0.10,<1", _PEFT_READ,
+        ("peft.tuners.lora.layer:*.pissa_init(self)", "peft.tuners.lora.layer:*.olora_init(self)",
+         "peft.tuners.lora.layer:*.corda_init(self)", "peft.tuners.lora.layer:*.loftq_init(self)",
+         "peft.tuners.lora.layer:*.lora_ga_init(self)"),
+        "the base layer's weight of the adapter layer initialised: `base_layer.weight.data = weight - scaling * "
+        "B @ A` (PiSSA from peft 0.11, OLoRA from 0.12, CorDA from 0.15, LoRA-GA from 0.19), or its quantised "
+        "form (LoftQ)",
         "get_peft_model() with init_lora_weights='pissa', 'olora', 'corda', 'loftq' or 'lora_ga' moves the "
         "principal part of each base weight into the adapter, so the model computes the same function: the "
         "re-initialisation the user asked for (a false alarm when the weights were watched since a "
-        "load_state_dict())"),
+        "load_state_dict())",
+        tested="0.21.2"),
     Writer(
         "torch's initialisers", WEIGHTS, "torch", ">=2.4,<3", "2.13.0",
-        ("torch.nn.init:*", "torch.nn.modules.*:*.reset_parameters", "torch.nn.modules.*:*.reset_running_stats"),
-        "the tensor given (`torch.nn.init.normal_(w)`, `zeros_`, `orthogonal_` …), a module's own parameters "
-        "and statistics (`Linear.reset_parameters()`, `BatchNorm.reset_running_stats()`)",
+        ("torch.nn.init:*(tensor)", "torch.nn.modules.*:*.reset_parameters(self)",
+         "torch.nn.modules.*:*.reset_running_stats(self)"),
+        "the tensor given (`torch.nn.init.normal_(w)`, `zeros_`, `orthogonal_` …), a torch module's own "
+        "parameters and statistics (`Linear.reset_parameters()`, `BatchNorm.reset_running_stats()`)",
         "(re-)initialising a weight is the write the call asks for: a new head after a checkpoint was loaded, "
-        "or a layer reset mid-training on purpose"),
+        "or a layer reset mid-training on purpose",
+        tested="2.13.0"),
     Writer(
-        "transformers weight initialisation and embedding resize", WEIGHTS, "transformers", ">=5.25,<6", "5.25.0",
-        ("transformers.initialization:*", "transformers.*:*._init_weights", "transformers.*:*._initialize_weights",
-         "transformers.*:*.initialize_weights", "transformers.*:*.init_weights",
-         "transformers.modeling_utils:*._resize_token_embeddings", "transformers.modeling_utils:*._get_resized_*"),
-        "the weights `_init_weights` initialises (`initialization.normal_` …); an embedding or LM head "
-        "re-pointed to its resized copy (`old_embeddings.weight.data = new_embeddings.weight.data`)",
+        "transformers weight initialisation and embedding resize", WEIGHTS, "transformers", ">=4.40,<6",
+        _TRANSFORMERS_READ,
+        ("transformers.initialization:*(tensor)", "transformers.*:*._init_weights(module|m|self)",
+         "transformers.*:*._initialize_weights(module)", "transformers.*:*.initialize_weights(self)",
+         "transformers.*:*.init_weights(self)", "transformers.modeling_utils:*.resize_token_embeddings(self)",
+         "transformers.modeling_utils:*._resize_token_embeddings(self)",
+         "transformers.modeling_utils:*._get_resized_embeddings(old_embeddings)",
+         "transformers.modeling_utils:*._get_resized_lm_head(old_lm_head)"),
+        "the weights of the module `_init_weights` initialises (5.x: `initialization.normal_(module.weight)` …; "
+        "4.x: `module.weight.data.normal_()` …); the old embedding and LM head re-pointed to their resized "
+        "copies (`old_embeddings.weight.data = new_embeddings.weight.data`, from 4.43; 4.40-4.42 put a new "
+        "module in their place), then tied again",
         "post_init() and init_weights() initialise new modules; resize_token_embeddings() after adding tokens "
         "(a pad token, chat tokens) grows the embedding and head: both are what the user asked for, also after "
-        "a load_state_dict()"),
+        "a load_state_dict()",
+        tested="5.25.0"),
     Writer(
-        "trl SyncRefModelCallback", WEIGHTS, "trl", ">=1.16,<2", "1.16.0",
-        ("trl.trainer.callbacks:SyncRefModelCallback._sync_target_model",),
-        "every parameter of the reference model: `ref.data.mul_(1 - alpha).add_(policy.data, alpha=alpha)`",
+        "trl SyncRefModelCallback", WEIGHTS, "trl", ">=0.9,<2", _TRL_READ,
+        ("trl.trainer.callbacks:SyncRefModelCallback._sync_target_model(target_model)",
+         "trl.trainer.utils:SyncRefModelCallback._sync_target_model(target_model)"),
+        "every parameter of the reference model: `ref.data.mul_(1 - alpha).add_(policy.data, alpha=alpha)` "
+        "(in trl.trainer.utils up to 0.9, trl.trainer.callbacks from 0.10)",
         "TR-DPO / sync_ref_model=True (DPO, GRPO): the reference model is blended towards the policy every "
-        "ref_model_sync_steps steps, by design"),
+        "ref_model_sync_steps steps, by design",
+        tested="1.16.0"),
     Writer(
         "torch parametrizations", WEIGHTS, "torch", ">=2.4,<3", "2.13.0",
-        ("torch.nn.utils.parametrize:_maybe_set",),
+        ("torch.nn.utils.parametrize:_maybe_set(dest)",),
         "a parametrized tensor's `original` (the module's own Parameter object), re-pointed with `original.set_(...)` "
         "(or torch.utils.swap_tensors): to `right_inverse(weight)` by register_parametrization(), to "
         "`right_inverse(value)` by `module.weight = value`, to the parametrized value by "
         "remove_parametrizations(leave_parametrized=True)",
         "torch.nn.utils.parametrize keeps the Parameter object through these so the optimizer need not be told: "
-        "the re-initialisation the user asked for (PyTorch's test_parametrization.py stopped under raise)"),
+        "the re-initialisation the user asked for (PyTorch's test_parametrization.py stopped under raise)",
+        tested="2.13.0"),
     Writer(
         "torch lazy modules' initialisation", WEIGHTS, "torch", ">=2.4,<3", "2.13.0",
-        ("torch.nn.parameter:UninitializedTensorMixin.materialize", "torch.nn.modules.lazy:LazyModuleMixin._infer_parameters"),
+        ("torch.nn.parameter:UninitializedTensorMixin.materialize(self)",
+         "torch.nn.modules.lazy:LazyModuleMixin._infer_parameters(self)"),
         "an UninitializedParameter (or buffer) of a lazy module, re-pointed with `.data = torch.empty(shape)` "
-        "when it is materialized, then initialised in place by the module's reset_parameters()",
+        "when it is materialized, then initialised in place by the module's reset_parameters(): the lazy "
+        "module's own parameters and buffers (and its submodules'), not another module's",
         "a LazyLinear, LazyConv or LazyBatchNorm infers its shapes in its first forward; PyTorch lets the optimizer "
         "be made before that forward, over the uninitialized parameters, which become the real ones: their first "
-        "values, not a change to weights anyone trained"),
+        "values, not a change to weights anyone trained",
+        tested="2.13.0"),
     Writer(
         "torch.autograd.gradcheck perturbation", AUTOGRAD, "torch", ">=2.4,<3", "2.13.0",
-        ("torch.autograd.gradcheck:_compute_numerical_gradient",),
-        "each input element, through `.data`, while the analytical graph is alive; the original is copied back",
+        ("torch.autograd.gradcheck:_compute_numerical_gradient(entry)",),
+        "each input element, through `.data`, while the analytical graph is alive; the original is copied back "
+        "(the saved tensors sharing memory with the element perturbed, not what the checked function writes)",
         "gradcheck and gradgradcheck compute numerical gradients by finite differences, and restore every "
-        "element before backward reads it"),
+        "element before backward reads it",
+        tested="2.13.0"),
     Writer(
         "batch norm and instance norm statistics", WEIGHTS, "torch", ">=2.4,<3", "2.13.0",
         ("torch.nn.modules.batchnorm:_BatchNorm.forward", "torch.nn.modules.instancenorm:_InstanceNorm.forward"),
@@ -146,29 +188,123 @@ def scopes(target: str) -> tuple[Writer, ...]:
     return tuple(w for w in WRITERS if w.how == "scope" and w.target == target and w.applies())
 
 
-def running(writers: Iterable[Writer], frame: Optional[types.FrameType]) -> Optional[Writer]:
-    """The first of `writers` one of whose functions is on the stack from `frame` up, or None."""
+def unread(target: str) -> tuple[Writer, ...]:
+    """The scope writers of `target` not applied here: their library is installed in a version outside
+    the range they were read in. A write they make is reported, with `hint`."""
+    return tuple(w for w in WRITERS if w.how == "scope" and w.target == target and not w.applies())
+
+
+class Found(NamedTuple):
+    """A writer found running, and the frame's function that makes it so."""
+
+    writer: Writer
+    function: str  # `module:qualname`, as `allow=` and KVGUARD_ALLOW name a scope
+
+
+# What a write reaches, asked only when a writer's function is found on the stack: the
+# protected tensors at the written path (one for a model's weights).
+Reached = Callable[[], Sequence[Any]]
+
+
+def writing(writers: Iterable[Writer], frame: Optional[types.FrameType], reached: Reached) -> Optional[Found]:
+    """The innermost of `writers`' functions on the stack from `frame` up that is meant to write what
+    the write reaches (`reached()`: the tensors written), or None.
+
+    A function named with arguments (`merge(self)`) is meant to write the tensors those hold:
+    a tensor given, or every parameter and buffer of a module given (its submodules' too). A
+    write to anything else made while it runs is not its write: the walk goes on outwards (an
+    outer writer may own it), and ends with None. With no arguments named, any write is its.
+    """
     compiled = [(w, _compiled(w.functions)) for w in writers]
     if not compiled:
         return None
+    tensors: Optional[Sequence[Any]] = None
     while frame is not None:
         code = frame.f_code
         module = frame.f_globals.get("__name__")
         if isinstance(module, str):
             qualname = getattr(code, "co_qualname", code.co_name)
             for writer, patterns in compiled:
-                if any(m.match(module) and q.match(qualname) for m, q in patterns):
-                    return writer
+                for module_re, qualname_re, names in patterns:
+                    if not (module_re.match(module) and qualname_re.match(qualname)):
+                        continue
+                    if names is not None:
+                        if tensors is None:
+                            tensors = _tensors(reached)
+                        if not _holds(_argument(frame, names), tensors):
+                            continue
+                    return Found(writer, f"{module}:{qualname}")
         frame = frame.f_back
     return None
 
 
+def hint(found: Found) -> str:
+    """What a write by a writer not applied here says: who wrote it, where the writer was read, and the fix."""
+    writer = found.writer
+    installed = _installed(writer.distribution)
+    read = [v.strip() for v in writer.read_in.split(",") if v.strip()]
+    where = read[0] if len(read) == 1 else f"{len(read)} versions, {read[0]} to {read[-1]}"
+    return (f"written by {found.function}: {writer.name}, an intended writer kvguard lets through in "
+            f"{writer.distribution} {writer.versions} (read in {where}); {writer.distribution} {installed} is "
+            f"installed here, whose code was not read, so the write is reported. If it is meant, allow it: "
+            f"allow=['{found.function}'] or KVGUARD_ALLOW={found.function}")
+
+
+def _argument(frame: types.FrameType, names: tuple[str, ...]) -> Any:
+    """The value of the first of `names` bound in `frame` (None if none is)."""
+    values = frame.f_locals
+    for name in names:
+        if name in values:
+            return values[name]
+    return None
+
+
+def _tensors(reached: Reached) -> Sequence[Any]:
+    try:
+        return tuple(reached())
+    except Exception:  # noqa: BLE001 - not known: no scoped writer owns the write, which is reported
+        return ()
+
+
+def _holds(value: Any, tensors: Sequence[Any]) -> bool:
+    """Whether `value` (a tensor, or a module's parameters and buffers) holds one of `tensors`: the
+    same tensor object, or one sharing an element's memory with it (`w.data`, a view)."""
+    if not tensors or value is None:
+        return False
+    import torch
+
+    from kvguard._torch import elements_overlap
+
+    try:
+        if issubclass(type(value), torch.Tensor):  # `type()`: a value may refuse attribute reads
+            own = [value]
+        elif issubclass(type(value), torch.nn.Module):
+            own = [*value.parameters(), *value.buffers()]
+        else:
+            return False
+    except Exception:  # noqa: BLE001 - a module whose walk fails: it holds nothing known
+        return False
+    if any(t is o for t in tensors for o in own):
+        return True
+    for t in tensors:
+        for o in own:
+            try:
+                if elements_overlap(o, t):
+                    return True
+            except Exception:  # noqa: BLE001 - no memory to compare (uninitialized, meta): not the same
+                continue
+    return False
+
+
 @functools.lru_cache(maxsize=None)
-def _compiled(functions: tuple[str, ...]) -> tuple[tuple[re.Pattern[str], re.Pattern[str]], ...]:
+def _compiled(functions: tuple[str, ...]) -> tuple[tuple[re.Pattern[str], re.Pattern[str], Optional[tuple[str, ...]]],
+                                                   ...]:
     out = []
     for function in functions:
-        module, _, qualname = function.partition(":")
-        out.append((re.compile(fnmatch.translate(module)), re.compile(fnmatch.translate(qualname))))
+        name, paren, arguments = function.partition("(")
+        module, _, qualname = name.partition(":")
+        names = tuple(a.strip() for a in arguments.rstrip(")").split("|")) if paren else None
+        out.append((re.compile(fnmatch.translate(module)), re.compile(fnmatch.translate(qualname)), names))
     return tuple(out)
 
 
@@ -222,18 +358,22 @@ def describe(width: int = 100) -> str:
         else:
             state = (f"applied: {writer.distribution} {installed} installed" if writer.applies() else
                      f"not applied: {writer.distribution} {installed} installed is outside {writer.versions}, "
-                     "so these writes are reported")
-        head = textwrap.wrap(f"{writer.name} ({writer.target}; {writer.distribution} {writer.versions}, read in "
-                             f"{writer.read_in}; {state})", width, subsequent_indent=" " * 9,
-                             break_on_hyphens=False, break_long_words=False)
-        rows = [("in", ", ".join(writer.functions)), ("writes", writer.writes), ("why", writer.why)]
+                     "so these writes are reported, with a hint naming this writer")
+        head = textwrap.wrap(f"{writer.name} ({writer.target}; {writer.distribution} {writer.versions}; {state})",
+                             width, subsequent_indent=" " * 11, break_on_hyphens=False, break_long_words=False)
+        rows = [("in", ", ".join(writer.functions)), ("writes", writer.writes), ("why", writer.why),
+                ("read in", writer.read_in)]
+        if writer.tested:
+            rows.append(("tested", writer.tested))
         if writer.where:
             rows.append(("code", writer.where))
         for key, text in rows:
-            head.extend(textwrap.wrap(text, width, initial_indent=f"  {key:<7}", subsequent_indent=" " * 9,
+            head.extend(textwrap.wrap(text, width, initial_indent=f"  {key:<9}", subsequent_indent=" " * 11,
                                       break_on_hyphens=False, break_long_words=False))
         blocks.append("\n".join(head))
     intro = ("Writes kvguard lets through with no setting (weights: guard_module and KVGUARD_TARGETS=weights; "
              "autograd: guard_autograd and KVGUARD_TARGETS=autograd), counted at exit as 'intended writer NAME'. "
-             "allow=, KVGUARD_ALLOW and kvguard.allow() add your own.")
+             "Each function is followed by what it may write: the tensors its arguments hold ((self): its own "
+             "module's parameters and buffers; a|b: the first of these it has). allow=, KVGUARD_ALLOW and "
+             "kvguard.allow() add your own.")
     return "\n".join(textwrap.wrap(intro, width)) + "\n\n" + "\n\n".join(blocks)

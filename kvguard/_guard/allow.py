@@ -80,10 +80,12 @@ class Allowlist:
     (`kvguard._intended`), found on the stack the same way, after the user's own.
     """
 
-    def __init__(self, patterns: Iterable[str], source: str, intended: Sequence[_intended.Writer] = ()) -> None:
+    def __init__(self, patterns: Iterable[str], source: str, intended: Sequence[_intended.Writer] = (),
+                 unread: Sequence[_intended.Writer] = ()) -> None:
         if isinstance(patterns, str):
             patterns = (patterns,)
         self.intended = tuple(intended)
+        self.unread = tuple(unread)  # known writers whose installed library is outside their range
         self.patterns = tuple(check_pattern(p, source) for p in patterns)
         self._compiled = [(p, matcher(p)) for p in self.patterns if not _SCOPE.match(p)]
         self._scopes = [(p, m.group(1), m.group(2)) for p in self.patterns if (m := _SCOPE.match(p))]
@@ -94,13 +96,21 @@ class Allowlist:
         given = _reason.get()
         return f"kvguard.allow({given!r})" if given is not None else None
 
-    def intended_reason(self) -> Optional[str]:
-        """Why a write now is allowed by a well-known intended writer running (`kvguard._intended`), or None."""
-        writer = _intended.running(self.intended, sys._getframe(1)) if self.intended else None
-        return f"intended writer {writer.name}" if writer is not None else None
+    def intended_reason(self, reached: _intended.Reached = tuple) -> Optional[str]:
+        """Why a write now is allowed by a well-known intended writer running (`kvguard._intended`) and
+        meant to write what it reaches (`reached()`: the tensors written), or None."""
+        found = _intended.writing(self.intended, sys._getframe(1), reached) if self.intended else None
+        return f"intended writer {found.writer.name}" if found is not None else None
 
-    def reason(self, path: str) -> Optional[str]:
-        """Why a write to `path` is allowed (`allow=PATTERN`, `kvguard.allow('...')`), or None."""
+    def unread_hint(self, reached: _intended.Reached = tuple) -> str:
+        """For a write reported while a known writer runs whose library version is outside the range it
+        was read in: a hint naming it, its versions and the fix; else ''."""
+        found = _intended.writing(self.unread, sys._getframe(1), reached) if self.unread else None
+        return _intended.hint(found) if found is not None else ""
+
+    def reason(self, path: str, reached: _intended.Reached = tuple) -> Optional[str]:
+        """Why a write to `path` is allowed (`allow=PATTERN`, `kvguard.allow('...')`, an intended
+        writer meant to write `reached()`, the tensors at `path`), or None."""
         given = _reason.get()
         if given is not None:
             return f"kvguard.allow({given!r})"
@@ -110,9 +120,8 @@ class Allowlist:
         for pattern, module, qualname in self._scopes:
             if _running(module, qualname, sys._getframe(1)):
                 return f"allow={pattern}"
-        writer = _intended.running(self.intended, sys._getframe(1)) if self.intended else None
-        return f"intended writer {writer.name}" if writer is not None else None
-
+        found = _intended.writing(self.intended, sys._getframe(1), reached) if self.intended else None
+        return f"intended writer {found.writer.name}" if found is not None else None
 
     def never_matching(self, path: str, name: str, said: set[str]) -> Optional[str]:
         """Why some path patterns can match nothing, unless in `said` (then added); None if none.

@@ -7,6 +7,8 @@ the protected set (`kvguard._protect.protected`) load when a guard is entered.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import os
 import sys
@@ -299,10 +301,11 @@ class Guard:
         `kvguard.allow` block or a well-known intended writer (gradcheck perturbs an input
         whose `expand` was saved, and restores it): an allowed path or a user's scope names
         the elements a user meant to write, not the ones an `expand` made share them."""
+        reached = functools.partial(self._tensors_at, event.path)  # asked only of a writer found running
         if event.kind == "alias":
-            allowed = self.allow.block_reason() or self.allow.intended_reason()
+            allowed = self.allow.block_reason() or self.allow.intended_reason(reached)
         else:
-            allowed = self.allow.reason(event.path)
+            allowed = self.allow.reason(event.path, reached)
         if allowed is None:
             return False
         if not event.blocked:
@@ -310,9 +313,18 @@ class Guard:
             self._account.allowed(allowed)
         return True
 
+    def _tensors_at(self, path: str) -> list[Any]:
+        """The protected tensors at `path`: what a write reported there reaches (an intended writer
+        found running must be meant to write them)."""
+        protected = self._protected
+        return protected.tensors_at(path) if protected is not None else []
+
     def _on_event(self, event: MutationEvent, at_exit: bool = False) -> None:
         if self._allowed(event):  # an intended write: it happens, counted once it has
             return
+        hint = self.allow.unread_hint(functools.partial(self._tensors_at, event.path))
+        if hint:  # a known writer, in a library version it was not read in: say so, not a stray write
+            event = dataclasses.replace(event, hint=hint)
         said = allow_said.setdefault(self.target, set()) if self.target else self._said_never_matching
         never = self.allow.never_matching(event.path, self.name, said)
         if never is not None:  # an allow= the user thinks covers this write

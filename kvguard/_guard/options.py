@@ -51,7 +51,8 @@ def resolve(action: Optional[str], level: Optional[str], fingerprint: Optional[b
     return Options(checked_action, checked_level, fingerprints,
                    _as_keys(keys if keys is not None else settings.keys, "keys"), keys_from,
                    _as_keys(ignore if ignore is not None else settings.ignore or (), "ignore") or (),
-                   Allowlist(allowed, allow_from, _intended.scopes(intended_for) if intended_for else ()), keep)
+                   Allowlist(allowed, allow_from, _intended.scopes(intended_for) if intended_for else (),
+                             _intended.unread(intended_for) if intended_for else ()), keep)
 
 
 def _as_keys(keys: Any, what: str) -> Optional[tuple[Any, ...]]:

@@ -408,6 +408,17 @@ class ProtectedSet:
     def tensor_of(self, entry: Entry) -> Optional[torch.Tensor]:
         return entry.ref()
 
+    def tensors_at(self, path: str) -> list[torch.Tensor]:
+        """The live protected tensors named `path` (or with it among their other paths). `NativeSet`
+        keeps rows, not entries: its guards (`kvguard.guard`'s) apply no intended writer, so it has none."""
+        found = []
+        for entry in list(getattr(self, "_entries", {}).values()):
+            if entry.path == path or path in entry.aliases:
+                tensor = self.tensor_of(entry)
+                if tensor is not None:
+                    found.append(tensor)
+        return found
+
     def relayout(self, entry: Entry) -> None:
         tensor = entry.ref()
         if tensor is not None:

@@ -38,7 +38,9 @@ class MutationEvent:
     diff: str
     aliases: tuple[str, ...] = ()  # other paths to the same tensor
     detached: bool = False  # removed from (or replaced in) the guarded object before the write
-    hint: str = ""  # the fix, for a write stopped before it ran (empty: the general one, `HINT`)
+    # The fix, for a write stopped before it ran (empty: the general one, `HINT`); for any write made by a
+    # well-known intended writer whose library version is outside the range it was read in, who wrote it
+    hint: str = ""
     # For a change no op showed: when it was found, in the user's words ("at optimizer step 3, before
     # it ran"); empty: by a boundary check (guard exit, `g.check()`)
     found: str = ""
@@ -146,6 +148,8 @@ def event_details(ev: MutationEvent) -> list[tuple[str, str]]:
         rows += [("before", ev.before), ("after", ev.after or ""), ("changed", ev.diff)]
     else:
         rows += [("before", ev.before), ("after", ev.after or ""), ("note", ev.diff)]
+    if ev.hint and not ev.blocked:  # a write that ran: said only when there is more to say (a known writer)
+        rows.append(("hint", ev.hint))
     return rows
 
 
