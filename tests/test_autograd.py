@@ -456,7 +456,10 @@ def test_a_tensor_subclass_that_refuses_detach_still_trains(engine: str) -> None
     assert x.grad is not None and g.report.ok
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.func's first use scripts a helper (torch.jit)
+# torch.func's first forward-mode use in a process scripts torch's jvp decompositions (torch.jit):
+# a DeprecationWarning, a FutureWarning from torch 2.14 on.
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
 def test_torch_func_transforms_run_under_the_guard_with_the_same_results(engine: str) -> None:
     """torch.func refuses saved-tensor hooks: the guard's step aside inside a transform."""
     import torch.utils._pytree as pytree
