@@ -8,6 +8,7 @@ earlier sample's mask. The replica below keeps that shape.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -204,6 +205,145 @@ def test_the_switch_reaches_dataloader_workers(tmp_path: Path) -> None:
     assert "GPTDataset[0]['loss_mask'] would be modified in place by aten.index_put_.default at job.py:16" \
         in done.stderr
     assert "kvguard [DataLoader worker 0]: data: " in done.stderr
+
+
+WORKERS_JOB = textwrap.dedent("""\
+    import sys
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    class Rows(Dataset):
+        def __init__(self, cached):
+            self.cached = cached
+            self.cache = torch.ones(4)
+        def __len__(self):
+            return 8
+        def __getitem__(self, idx):
+            if self.cached:
+                self.cache.add_(1)  # CACHE-WRITE
+                return {"x": self.cache}
+            return {"x": torch.full((4,), float(idx)), "y": torch.zeros(2)}
+
+    if __name__ == "__main__":
+        method, persistent, cached, held = sys.argv[1], sys.argv[2] == "persistent", "cached" in sys.argv, "held" in sys.argv
+        ds = Rows(cached)
+        if "quiet-main" not in sys.argv:
+            ds[0]  # the main process loads two samples itself (a cached dataset's write: one here)
+            ds[1]
+        loader = DataLoader(ds, batch_size=2, num_workers=2, persistent_workers=persistent,
+                            multiprocessing_context=method)
+        if held:  # an iterator still alive at exit, its workers mid-epoch
+            it = iter(loader)
+            next(it)
+        else:
+            for epoch in range(2):
+                for batch in loader:
+                    pass
+        print("done")
+""")
+
+WORKER_LINE = re.compile(r"^kvguard \[DataLoader worker (\d)\]: data: (\d+) tensors? returned by datasets protected, "
+                         r"(no in-place writes|(\d+) writes? reported above)$", re.M)
+
+
+def _run_workers_job(tmp_path: Path, *args: str, action: str = "warn") -> tuple[Any, Any, dict[str, Any]]:
+    """The job under KVGUARD_TARGETS=data with a report directory; its run, `kvguard report`'s run
+    and that report's one run as JSON."""
+    import json
+
+    script = tmp_path / "workers_job.py"
+    script.write_text(WORKERS_JOB)
+    reports = tmp_path / "reports"
+    job = run_python("-m", "kvguard", "run", "--", sys.executable, script, *args, KVGUARD=action,
+                     KVGUARD_TARGETS="data", KVGUARD_REPORT_DIR=str(reports), timeout=300)
+    report = run_python("-m", "kvguard", "report", reports)
+    (described,) = json.loads(run_python("-m", "kvguard", "report", reports, "--json").stdout)["runs"]
+    return job, report, described
+
+
+@pytest.mark.parametrize("method, persistent", [
+    ("fork", "persistent"), ("fork", "per-epoch"), ("spawn", "persistent"),
+    pytest.param("spawn", "per-epoch", marks=pytest.mark.slow),
+])
+def test_a_clean_run_with_workers_is_proven_clean_by_the_report(tmp_path: Path, method: str, persistent: str) -> None:
+    """Each worker says its line as it ends (persistent ones too, which are shut down at the
+    interpreter's exit) and writes a summary record, so `kvguard report` proves the run clean:
+    every tensor the workers loaded is counted once, the main process's own sample too."""
+    job, report, described = _run_workers_job(tmp_path, method, persistent)
+    assert job.returncode == 0 and "done" in job.stdout, job.stdout + job.stderr
+    lines = WORKER_LINE.findall(job.stderr)
+    ends = 1 if persistent == "persistent" else 2  # per-epoch workers end after each of the 2 epochs
+    assert sorted(worker for worker, *_ in lines) == sorted(["0", "1"] * ends), job.stderr
+    assert all(found == "no in-place writes" for _, _, found, _ in lines), job.stderr
+    # 8 samples of 2 tensors an epoch, over the workers' lifetimes (and 2 of them in the main process)
+    assert sum(int(n) for _, n, _, _ in lines) == 16 * 2
+    assert job.stderr.count("kvguard: data:") == 1  # the main process's line; a spawned worker's not twice
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert described["status"] == "clean" and described["protected"] == 16 * 2 + 2 * 2, described
+    assert described["processes"] == 1 + 2 * ends and not described["notes"], described
+
+
+def test_writes_in_workers_under_warn_are_reported_with_no_killed_worker(tmp_path: Path) -> None:
+    """A cached tensor written by the dataset in the main process (once) and in each worker: the
+    report counts each write once (a forked worker does not count its parent's again), and no
+    worker that ended normally is said to have been killed."""
+    job, report, described = _run_workers_job(tmp_path, "fork", "persistent", "cached")
+    assert job.returncode == 0, job.stdout + job.stderr
+    # 4 samples a worker an epoch, each a write to the cache the main process had returned
+    assert sorted(WORKER_LINE.findall(job.stderr)) == [("0", "0", "8 writes reported above", "8"),
+                                                       ("1", "0", "8 writes reported above", "8")], job.stderr
+    assert report.returncode == 1, report.stdout + report.stderr
+    assert "wrote no summary record" not in report.stdout and not described["notes"], described
+    assert described["status"] == "events" and described["writes"] == 1 + 16 and described["processes"] == 3
+    (row,) = described["rows"]
+    write_line = next(n for n, text in enumerate(WORKERS_JOB.splitlines(), 1) if "# CACHE-WRITE" in text)
+    assert (row["site"], row["writes"]) == (f"workers_job.py:{write_line}", 17)
+
+
+def test_workers_of_an_iterator_still_held_at_exit_end_normally(tmp_path: Path) -> None:
+    """`it = iter(loader); next(it)` and exit: torch would leave the workers to be terminated;
+    they end as a deleted iterator's do, each with its line and summary record."""
+    job, report, described = _run_workers_job(tmp_path, "fork", "per-epoch", "held")
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert sorted(worker for worker, *_ in WORKER_LINE.findall(job.stderr)) == ["0", "1"], job.stderr
+    assert report.returncode == 0 and described["status"] == "clean", report.stdout + report.stderr
+
+
+def test_under_raise_the_workers_summaries_count_the_stopped_write(tmp_path: Path) -> None:
+    job, report, described = _run_workers_job(tmp_path, "fork", "persistent", "cached", "quiet-main",
+                                              action="raise")
+    assert job.returncode == 1 and "done" not in job.stdout, job.stdout + job.stderr
+    assert "kvguard.MutationError: Caught MutationError in DataLoader worker process" in job.stderr
+    assert report.returncode == 1 and "wrote no summary record" not in report.stdout, report.stdout
+    assert described["status"] == "events" and described["writes"] >= 1, described
+
+
+def _summary(pid: int, targets: dict[str, tuple[int, int]], writes: int = 0) -> str:
+    import json
+
+    return json.dumps({"schema": 1, "record": "summary", "run": "r", "host": "h", "pid": pid, "rank": None,
+                       "calls": sum(c for c, _ in targets.values()), "writes": writes, "sites": [],
+                       "protected": sum(p for _, p in targets.values()),
+                       "targets": {label: {"calls": c, "protected": p, "writes": 0}
+                                   for label, (c, p) in targets.items()}})
+
+
+@pytest.mark.parametrize("main, workers, status", [
+    ({"data": (1, 0)}, [{"data": (1, 8)}, {"data": (1, 8)}], "clean"),  # the workers loaded it all
+    ({"data": (1, 0)}, [{"data": (1, 0)}], "unproven"),  # no process protected anything
+    ({"data": (1, 0)}, [], "unproven"),  # no workers, and the main process loaded nothing
+    ({"data": (1, 0), "m:f(rd)": (2, 0)}, [{"data": (1, 8)}], "unproven"),  # a target that held nothing
+    ({"autograd": (1, 0)}, [{"data": (1, 8)}], "unproven"),  # another word's guard that held nothing
+], ids=["workers-loaded", "nothing-anywhere", "no-workers", "target-held-nothing", "autograd-held-nothing"])
+def test_a_main_process_whose_workers_loaded_is_no_gap_and_nothing_else_is_excused(
+        tmp_path: Path, main: dict[str, tuple[int, int]], workers: list[dict[str, tuple[int, int]]],
+        status: str) -> None:
+    from kvguard._report import read
+
+    (tmp_path / "kvguard-rank0.jsonl").write_text(
+        "\n".join([_summary(1, main)] + [_summary(2 + i, w) for i, w in enumerate(workers)]) + "\n")
+    (run,), _ = read.load(str(tmp_path))
+    assert read.describe(run)["status"] == status
 
 
 @pytest.fixture(scope="module")

@@ -125,6 +125,8 @@ def _print_summary() -> None:
         _data.stop()
     if not STATE.patched and not PROCESS.tally.held_anything() and _is_helper_process():
         return  # torchrun's agent, a DataLoader worker: not where the targets run
+    if not STATE.patched and not STATE.settings.autograd and not STATE.settings.weights and _data_worker():
+        return  # a spawned DataLoader worker: it said its line as it ended, and wrote its summary
     settings = STATE.settings
     words_only = not settings.targets and not PROCESS.tally.calls  # `autograd`, `weights`, `data`: no function
     if not words_only:
@@ -140,6 +142,12 @@ def _print_summary() -> None:
             say(line)
     for line in diagnostics(STATE, PROCESS, any(isinstance(x, ReportWriter) for x in PROCESS.listeners)):
         say(line)
+
+
+def _data_worker() -> bool:
+    """A DataLoader worker whose data guards said their lines as it ended (`kvguard._guard.data`)."""
+    guard_data = sys.modules.get("kvguard._guard.data")
+    return guard_data is not None and bool(guard_data.in_worker())
 
 
 def _is_helper_process() -> bool:

@@ -12,9 +12,11 @@ are not covered.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import threading
+import weakref
 from typing import Any, Callable, Collection, Literal, Optional
 
 from kvguard._guard.guard import Guard
@@ -35,6 +37,7 @@ class DataGuard(Guard):
         super().__init__([], name=name or DATA_LABEL, action=action, allow=allow, report_dir=report_dir,
                          target=target, level="full", fingerprint=False)
         self._account.label = DATA_LABEL  # counted as `data`, from code or KVGUARD_TARGETS
+        self._events_before = 0  # in a forked DataLoader worker: the events the parent's copy had
 
     def _new_protected(self) -> Any:
         from kvguard._protect.samples import SampleSet
@@ -50,6 +53,8 @@ class DataGuard(Guard):
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
+        if self._entered and self._protected is None:
+            return False  # left already, as its DataLoader worker ended (`_end_worker`)
         with _lock:
             if self in _active:
                 _active.remove(self)
@@ -63,13 +68,21 @@ class DataGuard(Guard):
         if protected is not None and not self._paused:
             protected.returned(path, sample, placed)
 
+    def start_in_forked_worker(self) -> None:
+        """This guard is a forked DataLoader worker's copy of its parent's: from now on it counts
+        as a guarded call of the worker, with what the worker's datasets return."""
+        self._account.open()
+        if self._protected is not None:
+            self._protected.protected_count = self._protected.samples = 0
+        self._events_before = len(self.report.events) + self.report.cut
+
     def worker_line(self, worker: int) -> str:
         """What this guard found in a DataLoader worker process, said as the worker ends (a
         multiprocessing child exits with no atexit, so the process summary never runs there)."""
         from kvguard._text import plural
 
         protected = self._protected.protected_count if self._protected is not None else self.protected_count
-        writes = len(self.report.events) + self.report.cut
+        writes = len(self.report.events) + self.report.cut - self._events_before
         found = f"{plural(writes, 'write')} reported above" if writes else "no in-place writes"
         return (f"kvguard [DataLoader worker {worker}]: {self.name}: {plural(protected, 'tensor')} returned by "
                 f"datasets protected, {found}")
@@ -132,6 +145,62 @@ def _wrap_all() -> None:
         else:
             Dataset.__init_subclass__ = original  # type: ignore[method-assign]
     _undo.append(restore)
+    _wrap_loader()
+
+
+def _wrap_loader() -> None:
+    """Note the DataLoader iterators that start worker processes, to end their workers at exit."""
+    from torch.utils.data import DataLoader
+
+    method = DataLoader.__dict__.get("__iter__")
+    if method is None or getattr(method, _MARK, False):
+        return
+
+    @functools.wraps(method)
+    def __iter__(self: Any) -> Any:
+        iterator = method(self)
+        if _active and isinstance(getattr(self, "num_workers", 0), int) and self.num_workers > 0:
+            _end_workers_at_exit(iterator)
+        return iterator
+    setattr(__iter__, _MARK, True)
+    DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
+    _undo.append(functools.partial(_restore, DataLoader, "__iter__", method, __iter__))
+
+
+# DataLoader iterators with worker processes made while a data guard was active, and the process
+# that registered `_end_workers` at exit (a forked child inherits both).
+_iterators: weakref.WeakSet[Any] = weakref.WeakSet()
+_ending: list[int] = []
+
+
+def _end_workers_at_exit(iterator: Any) -> None:
+    try:
+        _iterators.add(iterator)
+    except TypeError:  # an iterator without weak references: left to torch
+        return
+    if _ending != [os.getpid()]:
+        _ending[:] = [os.getpid()]
+        # Registered now, after torch's and multiprocessing's own exit functions: it runs before them.
+        atexit.register(_end_workers)
+
+
+def _end_workers() -> None:
+    """At exit: end the worker processes of the DataLoader iterators still alive, as deleting the
+    iterator would, so that each worker leaves its loop, says what it found and writes its summary.
+
+    Without this, persistent workers (and those of an iterator still held) are not shut down at
+    exit: torch skips it once the interpreter exits, and `multiprocessing` then terminates them
+    as daemonic children, before any of their exit functions ran.
+    """
+    if _ending != [os.getpid()]:
+        return
+    from kvguard import _torch
+
+    for iterator in list(_iterators):
+        try:
+            _torch.end_dataloader_workers(iterator)
+        except Exception:  # noqa: BLE001 - at exit: torch's own shutdown still follows
+            pass
 
 
 def _wrap_class(cls: type) -> None:
@@ -149,27 +218,63 @@ def _restore(cls: type, attr: str, method: Any, wrapper: Any) -> None:
         setattr(cls, attr, method)
 
 
-_worker_said: list[int] = []  # the process id that registered its worker line (a fork copies the list)
+_worker: list[tuple[int, list[DataGuard]]] = []  # (process id, its data guards) once a DataLoader worker began
 
 
-def _said_in_worker() -> None:
-    """In a DataLoader worker, have each data guard say what it found when the worker ends."""
-    if _worker_said and _worker_said[0] == os.getpid():
+def in_worker() -> bool:
+    """Whether this process is a DataLoader worker whose data guards say what they found as it ends."""
+    return bool(_worker) and _worker[0][0] == os.getpid()
+
+
+def _start_worker() -> None:
+    """In a DataLoader worker, before its first sample is loaded: make it a process of its own in the
+    counts (a forked one starts with its parent's), and have each data guard leave, say what it
+    found and write the worker's summary record when the worker ends."""
+    if _worker and _worker[0][0] == os.getpid():
         return
-    from torch.utils.data import get_worker_info
-
-    info = get_worker_info()
+    info = _worker_info()
     if info is None:
         return
-    _worker_said[:] = [os.getpid()]
+    from kvguard._report import files
+
+    guards = list(_active)
+    _worker[:] = [(os.getpid(), guards)]
+    if files.start_over_in_child():  # forked: the guards are the parent's copies
+        for guard in guards:
+            guard.start_in_forked_worker()
     import multiprocessing.util
 
+    # Run by the worker's exit (`multiprocessing`'s own exit function, which a forked child
+    # runs before `os._exit`), after its loop ended: when its DataLoader shut it down.
+    multiprocessing.util.Finalize(None, _end_worker, args=(guards, info.id), exitpriority=0)
+
+
+def _worker_info() -> Any:
+    """`torch.utils.data.get_worker_info()`: None outside a DataLoader worker."""
+    from torch.utils.data import get_worker_info
+
+    return get_worker_info()
+
+
+def _end_worker(guards: list[DataGuard], worker: int) -> None:
+    """The worker ends: leave its data guards (their counts go into the tallies), say each one's
+    line, and write its summary record (without the settings' diagnostics: the process that
+    runs the targets says those)."""
+    from kvguard._errors import MutationError
+    from kvguard._report import files
     from kvguard._text import say
 
-    def say_lines(guards: list[DataGuard] = list(_active), worker: int = info.id) -> None:
-        for guard in guards:
-            say(guard.worker_line(worker))
-    multiprocessing.util.Finalize(None, say_lines, exitpriority=0)
+    if not _worker or _worker[0][0] != os.getpid():
+        return
+    for guard in guards:
+        try:
+            guard.__exit__(None, None, None)
+        except MutationError as exc:
+            say(f"kvguard: {exc.args[0].splitlines()[0]}")
+        except Exception as exc:  # noqa: BLE001 - at a worker's exit: one line, never a traceback
+            say(f"kvguard: data guard: {exc}")
+        say(guard.worker_line(worker))
+    files.finish_all(diagnose=False)
 
 
 def _wrapper(method: Any, many: bool) -> Any:
@@ -178,6 +283,8 @@ def _wrapper(method: Any, many: bool) -> Any:
 
     @functools.wraps(method)
     def wrapper(self: Any, index: Any, *args: Any, **kwargs: Any) -> Any:
+        if _active:
+            _start_worker()  # before the method runs: a forked worker's first writes are its own
         out = method(self, index, *args, **kwargs)
         if _active:
             _protect(self, index, out, many, placed)
@@ -193,7 +300,6 @@ def _protect(dataset: Any, index: Any, out: Any, many: bool, placed: Optional[st
         pairs = list(zip(index, out)) if many else [(index, out)]
     except TypeError:  # `__getitems__` of something that is not a batch: name it as one sample
         pairs = [(index, out)]
-    _said_in_worker()
     for guard in list(_active):
         for i, sample in pairs:
             try:

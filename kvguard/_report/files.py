@@ -45,6 +45,7 @@ class ReportWriter:
         self.written = 0
         self.cut = 0  # event records past the limit: counted, not written
         self._file: Optional[str] = None  # chosen by the header, kept for the process
+        self._finished: Optional[int] = None  # the process that wrote its summary
 
     def __str__(self) -> str:
         return f"writing report files to {self.directory!r}"
@@ -84,9 +85,20 @@ class ReportWriter:
         self.written += 1
 
     def finish(self, problems: list[str]) -> None:
-        """Write the summary record: exact counts, what was cut, what was left unguarded."""
+        """Write the summary record, once per process: exact counts, what was cut, what was left
+        unguarded."""
+        if self._finished == os.getpid():
+            return
+        self._finished = os.getpid()
         self._append({**_who("summary", _ranks.rank_info()), **self.tally.as_record(),
                       "events_written": self.written, "events_cut": self.cut, "problems": problems})
+
+    def start_over(self) -> None:
+        """This process is a fork's child: its records are its own (a header at its first guarded
+        call, its events, its summary), counted from zero."""
+        self.tally.clear()
+        self.written = self.cut = 0
+        self._file = self._finished = None
 
     def _append(self, record: dict[str, Any]) -> None:
         assert self._file is not None
@@ -166,11 +178,33 @@ def writer_for(directory: str, source: str, cap: Optional[int] = None) -> Option
     return writer
 
 
-def finish_all() -> None:
-    """At exit: a summary record from every writer that started and still works."""
+def start_over_in_child() -> bool:
+    """In a fork's child that guards on its own (a DataLoader worker), start its counts from zero:
+    what the parent counted before the fork is the parent's, in its own summary. Returns whether
+    this process was such a child (once: the counts are this process's from then on).
+
+    The tallies are emptied in place: the guards entered before the fork go on counting in
+    them (a guard that is to count as a call of this process opens its account again).
+    """
+    if PROCESS.pid == os.getpid():
+        return False
+    PROCESS.pid = os.getpid()
+    PROCESS.tally.clear()
+    for writer in PROCESS.writers.values():
+        if writer is not None:
+            writer.start_over()
+    return True
+
+
+def finish_all(diagnose: bool = True) -> None:
+    """At exit: a summary record from every writer that started and still works (once per process).
+
+    `diagnose`: with the exit diagnostics of the settings (`problems`); a DataLoader worker
+    finishes without them, as the process that runs the targets says them.
+    """
     try:
         problems: list[str] = []
-        if STATE.settings is not None and STATE.settings.targets:
+        if diagnose and STATE.settings is not None and STATE.settings.targets:
             in_files = any(isinstance(x, ReportWriter) for x in PROCESS.listeners)
             problems = [line.removeprefix("kvguard: ") for line in diagnostics(STATE, PROCESS, in_files)]
         for writer in PROCESS.writers.values():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Optional
 
 from kvguard._report.tally import SiteKey, Tally, TargetStats
@@ -17,6 +18,7 @@ class ProcessReport:
         self.reset()
 
     def reset(self) -> None:
+        self.pid = os.getpid()  # the process these counts are of (a fork's child starts with its parent's)
         self.tally = Tally()  # every guard of the process, for the exit summary
         self.shown: set[SiteKey] = set()  # sites whose first write was printed
         self.writers: dict[str, Any] = {}  # report directory -> its ReportWriter, None when unusable

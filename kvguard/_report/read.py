@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional
 
 from kvguard._paths import collapse
 from kvguard._report.files import FILE_PREFIX, SCHEMA
-from kvguard._report.tally import short_site, unprotected_text
+from kvguard._report.tally import DATA_LABEL, short_site, unprotected_text
 from kvguard._text import plural
 
 Record = dict[str, Any]
@@ -124,7 +124,9 @@ def describe(run: Run, by: str = "site") -> dict[str, Any]:
             allowed[str(reason)] = allowed.get(str(reason), 0) + _count(count)
     disagreements = [line for p in processes if p.summary is not None for line in _disagreements(p)]
     protected = sum(_count(s.get("protected")) for s in summaries)
-    unprotected = [p for p in processes if p.summary is not None and _protected_nothing(p.summary)]
+    loaded_elsewhere = _data_protected(summaries)
+    unprotected = [p for p in processes if p.summary is not None and _protected_nothing(p.summary)
+                   and not (loaded_elsewhere and _data_only(p.summary))]
     unlooked = [p for p in processes if p.summary is not None and _count(p.summary.get("unprotected"))]
     status = ("events" if writes or disagreements else
               "unproven" if incomplete or not calls or unprotected or unlooked else "clean")
@@ -190,6 +192,27 @@ def _protected_nothing(summary: Record) -> bool:
     """A summary of guarded calls that protected no tensor (a clean run must have watched something)."""
     return _count(summary["calls"]) > 0 and "protected" in summary and _count(summary.get("protected")) == 0 \
         and not _count(summary["writes"])
+
+
+def _data_stats(summary: Record) -> dict[str, Any]:
+    targets = summary.get("targets")
+    stats = targets.get(DATA_LABEL) if isinstance(targets, dict) else None
+    return stats if isinstance(stats, dict) else {}
+
+
+def _data_protected(summaries: list[Record]) -> bool:
+    """Whether some process of the run protected what datasets returned (a DataLoader worker)."""
+    return any(_count(_data_stats(s).get("protected")) for s in summaries)
+
+
+def _data_only(summary: Record) -> bool:
+    """Whether a process's guarded calls were all its `data` guard's: with DataLoader workers,
+    the main process's guard sees no dataset return anything (the workers load), and that is
+    no gap where its workers protected what they loaded."""
+    targets = summary.get("targets")
+    called = [label for label, stats in (targets.items() if isinstance(targets, dict) else ())
+              if isinstance(stats, dict) and _count(stats.get("calls"))]
+    return called == [DATA_LABEL]
 
 
 def _target_rows(summaries: list[Record]) -> list[dict[str, Any]]:

@@ -123,6 +123,10 @@ class Tally:
         self.sites: dict[SiteKey, SiteStats] = {}
         self.allowed: dict[str, int] = {}  # by reason: `allow=PATTERN`, `kvguard.allow('...')`
 
+    def clear(self) -> None:
+        """Start from zero, in place: the guards counting here go on counting here."""
+        self.__init__()  # type: ignore[misc]
+
     def target(self, label: str) -> TargetStats:
         return self.targets.setdefault(label, TargetStats())
 
