@@ -345,3 +345,115 @@ def test_a_placement_reads_each_caller_frame_once_however_many_tensors_it_brings
     (event,) = g.report.events
     assert event.path == "rd['adv'][7]"
     assert event.placed_at == _site("batch placement")
+
+
+# A tensor placed into a list that then grew: `placed` names the store that put it where it
+# is (counted back from the list's end over the stores that grew it), not the latest store
+# into the list (the red team's case, issue 37: one line off).
+
+def _grew_after_append(rd: dict[str, Any]) -> None:
+    rd["l"].append(torch.ones(3))  # MARK: grew-append
+    rd["l"].append(torch.zeros(3))
+    rd["l"][0].add_(1)  # the first write since the stores
+
+
+def _grew_through_a_name(rd: dict[str, Any]) -> None:
+    lst = rd["l"]
+    lst.append(torch.ones(3))  # MARK: grew-name
+    lst.append(torch.zeros(3))
+    lst.append(torch.zeros(1))
+    lst[0].add_(1)  # the first write since the stores
+
+
+def _grew_after_extend(rd: dict[str, Any]) -> None:
+    rd["l"].extend([torch.ones(3), torch.ones(2)])  # MARK: grew-extend
+    rd["l"].append(torch.zeros(3))
+    rd["l"][1].add_(1)  # the first write since the stores
+
+
+def _grew_after_a_whole_list(rd: dict[str, Any]) -> None:
+    rd["l"] = [torch.ones(3), torch.ones(2)]  # MARK: grew-whole
+    rd["l"] += [torch.zeros(3)]
+    rd["l"][0].add_(1)  # the first write since the stores
+
+
+def _grew_after_an_extend_of_unknown_size(rd: dict[str, Any]) -> None:
+    more = [torch.ones(3), torch.ones(2)]
+    rd["l"].extend(more)  # MARK: grew-unknown
+    rd["l"].append(torch.zeros(3))
+    rd["l"][0].add_(1)  # the first write since the stores
+
+
+def _grew_at_the_front(rd: dict[str, Any]) -> None:
+    rd["l"].append(torch.ones(3))  # MARK: grew-front
+    rd["l"].insert(0, torch.zeros(3))
+    rd["l"][1].add_(1)  # the first write since the stores
+
+
+def _grew_in_a_loop(rd: dict[str, Any]) -> None:
+    for i in range(3):
+        rd["l"].append(torch.full((2,), float(i)))  # MARK: grew-loop
+    rd["l"].append(torch.zeros(2))
+    rd["l"][0].add_(1)  # the first write since the stores
+
+
+def _grew_nested(rd: dict[str, Any]) -> None:
+    rd["inner"]["l"].append(torch.ones(3))  # MARK: grew-nested
+    rd["inner"]["l"].append(torch.zeros(3))
+    rd["inner"]["l"][0].add_(1)  # the first write since the stores
+
+
+def _grew_deque(rd: dict[str, Any]) -> None:
+    rd["q"].append(torch.ones(3))  # MARK: grew-deque
+    rd["q"].append(torch.zeros(3))
+    rd["q"][0].add_(1)  # the first write since the stores
+
+
+def _the_last_append_is_still_the_last(rd: dict[str, Any]) -> None:
+    rd["l"].append(torch.zeros(3))
+    rd["l"].append(torch.ones(3))  # MARK: grew-last
+    rd["l"][1].add_(1)  # the first write since the stores
+
+
+def _grew_across_a_look(rd: dict[str, Any]) -> None:
+    rd["l"].append(torch.zeros(3))
+    torch.zeros(1).add_(1)  # a look: the first is protected here
+    rd["l"].append(torch.ones(3))  # MARK: grew-look
+    rd["l"].append(torch.ones(2))
+    rd["l"][1].add_(1)  # the first write since the stores
+
+
+@pytest.mark.parametrize("scenario, mark, path", [
+    (_grew_after_append, "grew-append", "rd['l'][0]"),
+    (_grew_through_a_name, "grew-name", "rd['l'][0]"),
+    (_grew_after_extend, "grew-extend", "rd['l'][1]"),
+    (_grew_after_a_whole_list, "grew-whole", "rd['l'][0]"),
+    (_grew_after_an_extend_of_unknown_size, "grew-unknown", "rd['l'][0]"),
+    (_grew_at_the_front, "grew-front", "rd['l'][1]"),
+    (_grew_in_a_loop, "grew-loop", "rd['l'][0]"),
+    (_grew_nested, "grew-nested", "rd['inner']['l'][0]"),
+    (_grew_deque, "grew-deque", "rd['q'][0]"),
+    (_the_last_append_is_still_the_last, "grew-last", "rd['l'][1]"),
+    (_grew_across_a_look, "grew-look", "rd['l'][1]"),
+], ids=lambda v: v if isinstance(v, str) and not v.startswith("rd") else "")
+def test_a_list_that_grew_after_a_placement_names_the_store_that_placed_it(
+        scenario: Callable[[dict[str, Any]], None], mark: str, path: str) -> None:
+    rd: dict[str, Any] = {"l": [], "inner": {"l": []}, "q": deque()}
+    with kvguard.guard(rd, name="rd", action="record") as g:
+        scenario(rd)
+    assert [(e.path, e.placed_at) for e in g.report.events] == [(path, _site(mark))]
+
+
+def test_each_tensor_of_a_list_grown_by_several_stores_names_its_own() -> None:
+    """Placed in one look, the tensors of one list get one answer each, not the first one's for
+    all (the search is shared per list only where the answer cannot differ)."""
+    rd: dict[str, Any] = {"l": []}
+    with kvguard.guard(rd, name="rd", action="record") as g:
+        rd["l"].extend([torch.ones(2), torch.ones(2)])  # MARK: several-a
+        rd["l"].append(torch.ones(2))  # MARK: several-b
+        rd["l"] += [torch.ones(2), torch.ones(2)]  # MARK: several-c
+        for t in rd["l"]:
+            t.add_(1)
+    assert [(e.path, e.placed_at) for e in g.report.events] == [
+        ("rd['l'][0]", _site("several-a")), ("rd['l'][1]", _site("several-a")), ("rd['l'][2]", _site("several-b")),
+        ("rd['l'][3]", _site("several-c")), ("rd['l'][4]", _site("several-c"))]

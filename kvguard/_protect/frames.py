@@ -18,6 +18,7 @@ import sys
 import sysconfig
 import threading
 import types
+from collections import deque
 from typing import Any, Collection, Iterator, NamedTuple, Optional
 
 from kvguard._protect.tree import Attr
@@ -420,9 +421,10 @@ def _placement_in_frame(frame: types.FrameType, namespace: dict[str, Any], by_ob
     # The stores into a container of the chain, in the frame's store order, then the chain's.
     candidates = sorted((n, depth, store) for depth, (container, _) in enumerate(chain)
                         for n, store, obj in by_object.get(id(container), ()) if obj is container)
-    best: Optional[tuple[tuple[int, int, int, int], int]] = None
+    best: Optional[tuple[tuple[int, int, int, int, int], int]] = None
     last = len(chain) - 1
-    for _, depth, (lineno, _name, key, values) in candidates:
+    at_end = _placed_at_the_end(frame, chain, candidates, depends)
+    for _, depth, (lineno, _name, key, values, _shape) in candidates:
         chain_key = chain[depth][1]
         key_score = 2 if key is not _ANY and _same_key(key, chain_key) else (1 if key is _ANY else 0)
         # Whether another tensor of the same container could get another answer: a store into
@@ -435,7 +437,7 @@ def _placement_in_frame(frame: types.FrameType, namespace: dict[str, Any], by_ob
         if key_score == 0:
             continue
         names_it = int(any(_is_on_the_way(namespace.get(v, _ANY), chain, depth, placed) for v in values))
-        score = (int(lineno <= frame.f_lineno), names_it, key_score,
+        score = (int(lineno <= frame.f_lineno), names_it, int(lineno == at_end), key_score,
                  lineno if lineno <= frame.f_lineno else -lineno)
         if best is None or score > best[0]:
             best = (score, lineno)
@@ -444,6 +446,48 @@ def _placement_in_frame(frame: types.FrameType, namespace: dict[str, Any], by_ob
     filename = frame.f_code.co_filename
     line = linecache.getline(filename, best[1], frame.f_globals).strip()
     return Site(filename, best[1], frame.f_code.co_name, line)
+
+
+def _placed_at_the_end(frame: types.FrameType, chain: tuple[tuple[Any, Any], ...],
+                       candidates: list[tuple[int, int, _Store]], depends: Optional[list[bool]]) -> Optional[int]:
+    """For a tensor in a list, the line of the store that put it at its place from the list's end.
+
+    Counted back from the frame's current line over the stores at or before it that change
+    the list: `lst.append(a); lst.append(b)` put `a` second from the end, so a list that grew
+    after a placement does not name the later store. An append of a size the source does not
+    show is the store of every place further back, and so is the earliest store for a place
+    further back than all of them (a loop's appends). A store into the middle (`insert(i, x)`,
+    a slice) ends the count: None, as for a tensor not in a list (or deque).
+    """
+    last = len(chain) - 1
+    lst, index = chain[last]
+    if not isinstance(lst, (list, deque)) or type(index) is not int or not 0 <= index < len(lst):
+        return None
+    from_end = len(lst) - 1 - index
+    changes: list[tuple[int, int]] = []  # (line, what it does at the list's end), of the stores into the list
+    for _, depth, (lineno, _name, key, _values, shape) in candidates:
+        if shape is None or lineno > frame.f_lineno or (key is not _ANY and not _same_key(key, chain[depth][1])):
+            continue
+        steps, count = shape
+        if depth + steps == last - 1 and count == _WHOLE:
+            changes.append((lineno, _WHOLE))  # `rd["l"] = [...]`: the list, stored whole
+        elif depth + steps == last and count != _WHOLE:
+            changes.append((lineno, count))  # into the list itself (`lst[3] = x`: at an index, not its end)
+    found, counted, covered = None, 0, 0
+    for lineno, count in sorted(changes, reverse=True):
+        if count == _NOT_AT_END:
+            continue
+        counted += 1
+        if count == _INSIDE:  # what it moved is not known: no answer from here on
+            found = None
+            break
+        found = lineno  # past every store counted: the earliest (a loop's, as a rule)
+        if count in (_WHOLE, _UNKNOWN_SIZE) or from_end < covered + count:
+            break  # the store it is within, or the nearest one before those counted
+        covered += count
+    if found is not None and counted > 1 and depends is not None and not depends:
+        depends.append(True)  # another place in the list may have another store
+    return found
 
 
 def _may_be_placed(value: Any, chain: tuple[tuple[Any, Any], ...]) -> bool:
@@ -466,8 +510,12 @@ def _same_key(a: Any, b: Any) -> bool:
         return False
 
 
-# (lineno, container name, key, names of the values it stores)
-_Store = tuple[int, str, Any, tuple[str, ...]]
+# (lineno, container name, key, names of the values it stores, its shape: `_shape`)
+_Store = tuple[int, str, Any, tuple[str, ...], Optional[tuple[int, int]]]
+# A store's shape, for a list it changes: (steps from the named container down to that list or the
+# container it is stored into, and what it does at the list's end): `count` values appended, an
+# append of a size the source does not show, the list stored whole, or nothing at its end.
+_UNKNOWN_SIZE, _WHOLE, _NOT_AT_END, _INSIDE = 0, -1, -2, -3
 _stores_cache: dict[types.CodeType, tuple[_Store, ...]] = {}
 _module_cache: dict[str, Optional[ast.Module]] = {}
 
@@ -480,7 +528,7 @@ def _names_in(code: types.CodeType) -> frozenset[str]:
     cached = _names_cache.get(code)
     if cached is None:
         cached = _names_cache[code] = frozenset(
-            name for _, container, _, values in _stores_in(code) for name in (container, *values))
+            name for _, container, _, values, _ in _stores_in(code) for name in (container, *values))
     return cached
 
 
@@ -505,9 +553,55 @@ def _find_stores(code: types.CodeType) -> Iterator[_Store]:
     for node in ast.walk(scope):
         stores = list(_stores_of(node))
         if stores:
-            values = _value_names(node)
+            values, shape = _value_names(node), _shape(node)
             for lineno, name, key in stores:
-                yield lineno, name, key, values
+                yield lineno, name, key, values, shape
+
+
+def _steps(expr: ast.AST) -> int:
+    """How many steps below its named container `expr` is (`rd["l"]`: 1, `lst`: 0), counted as
+    `_owners` counts them (`ns.__dict__["x"]` is one step, `.x`)."""
+    steps = 0
+    while isinstance(expr, (ast.Subscript, ast.Attribute)):
+        steps += not (isinstance(expr, ast.Attribute) and expr.attr == "__dict__")
+        expr = expr.value
+    return steps
+
+
+def _literal_size(expr: Optional[ast.AST]) -> int:
+    """How many values a list or tuple literal holds; `_UNKNOWN_SIZE` for anything else."""
+    if isinstance(expr, (ast.List, ast.Tuple)) and not any(isinstance(e, ast.Starred) for e in expr.elts):
+        return len(expr.elts) or _NOT_AT_END
+    return _UNKNOWN_SIZE
+
+
+def _shape(node: ast.AST) -> Optional[tuple[int, int]]:
+    """What a store does to the end of a list (see `_Store`): `lst.append(x)` appends one value,
+    `rd["l"].extend([a, b])` and `lst += [a, b]` two, `rd["l"] = [...]` stores the list whole,
+    `lst.insert(0, x)` and `lst[3] = x` leave its end as it was. None: not a store into a list."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        owner, attr = node.func.value, node.func.attr
+        if attr == "append" and len(node.args) == 1:
+            return _steps(owner), 1
+        if attr == "extend" and len(node.args) == 1:
+            return _steps(owner), _literal_size(node.args[0])
+        if attr in ("appendleft", "extendleft"):
+            return _steps(owner), _NOT_AT_END
+        if attr == "insert" and len(node.args) == 2:
+            front = isinstance(node.args[0], ast.Constant) and node.args[0].value == 0
+            return _steps(owner), _NOT_AT_END if front else _INSIDE
+        return None
+    if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add):
+        return _steps(node.target), _literal_size(node.value)
+    if isinstance(node, ast.Assign) and len(node.targets) == 1:
+        target = node.targets[0]
+        if isinstance(target, ast.Subscript):
+            # `rd["l"] = [...]` stores a list whole into `rd`; `lst[3] = x` stores into the list at
+            # its own index, `lst[1:1] = [...]` somewhere in it
+            return _steps(target.value), _INSIDE if isinstance(target.slice, ast.Slice) else _WHOLE
+        if isinstance(target, ast.Attribute):
+            return _steps(target.value), _WHOLE
+    return None
 
 
 def _value_names(node: ast.AST) -> tuple[str, ...]:
