@@ -39,6 +39,11 @@ def _members(module: Any) -> list[Any]:
 
 def _has(value: Any, module: str, qualname: str, names: set[str]) -> bool:
     value = getattr(value, "__func__", value)  # a staticmethod or classmethod
+    for _ in range(8):  # a decorated function (`@torch.no_grad()`): the function it wraps runs
+        wrapped = getattr(value, "__wrapped__", None)
+        if wrapped is None:
+            break
+        value = wrapped
     code = getattr(value, "__code__", None)
     if code is None or getattr(value, "__module__", None) != module:
         return False
