@@ -163,6 +163,7 @@ class NativeSet(ProtectedSet):
         self._fingerprint = fingerprint
         self._compiled = module
         self._scan(frames=None)
+        self._entry_rows = len(self._table)  # the rows of what the object held at entry; placed ones follow
 
     # -- rows --------------------------------------------------------------------------
 
@@ -278,6 +279,7 @@ class NativeSet(ProtectedSet):
         self._walk = (sum(1 for old in kept if old < first),
                       {new[old]: paths for old, paths in walked.items() if old in new})
         self._applied = {new[old] for old in self._applied if old in new}
+        self._entry_rows = sum(1 for old in kept if old < self._entry_rows)
         self._py_memory.invalidate()
         self._rebuild_index()  # the hook's view of the rows: republished
 
@@ -392,7 +394,18 @@ class NativeSet(ProtectedSet):
             self._rebuild_index()
         if found and self._follow(found):  # memory it no longer owns: look again
             return self.written_entries(written, kind, resizes)
-        return found
+        return self._still_held(found) if found else found
+
+    def _placed_here(self, entry: Entry) -> bool:
+        return isinstance(entry, RowEntry) and entry.row >= self._entry_rows
+
+    def _let_go(self, entries: list[Entry]) -> None:
+        for entry in entries:
+            if isinstance(entry, RowEntry):
+                self._table.let_go(entry.row)  # dead to the table from now: the sweep forgets the row
+        self._sweep()
+        self._py_memory.invalidate()
+        self._rebuild_index()
 
     def _may_touch(self, written: Sequence[torch.Tensor]) -> bool:
         if self._identity_rows:
@@ -533,6 +546,7 @@ class NativeSet(ProtectedSet):
             found = self._changes_now()
         if found:
             self.settle()
+            found = self._changes_still_held(found)
         self._sweep()
         return found
 
@@ -560,6 +574,7 @@ class NativeSet(ProtectedSet):
                 self._scan_now(None)  # aliases); the walk gives the placed tensors their rows and count
         if found:
             self.settle()
+            found = self._changes_still_held(found)
         return found
 
 

@@ -41,6 +41,11 @@ class ProtectedSet:
     # Set by the guard just before its exit check: the set closes after it, so a tensor placed
     # since the last look needs no digest (`NativeSet`); a pause's check is not final.
     final = False
+    # A tensor placed into the guarded object while the guard runs is protected while the object
+    # holds it, and let go once it has left (`_still_held`); what the object held when the guard
+    # began, the caller's, stays protected wherever it goes (reported `detached`). Sets fed from
+    # elsewhere (a dataset's returns, autograd's packs, a model's weights) keep all they protect.
+    lets_go_of_what_left = True
 
     def __init__(self, root: Any, name: str, keys: Optional[Collection[Any]], ignore: Collection[Any],
                  fingerprint: bool = True) -> None:
@@ -55,7 +60,9 @@ class ProtectedSet:
         self.protected_count = 0  # tensors protected so far, including ones let go since
         self._fingerprint = fingerprint
         self._compiled = _records.compiled_describe()  # kept for the set's life: one kind of record
+        self._at_entry: Optional[set[int]] = None  # ids of the tensors the object held at entry
         self._scan(frames=None)
+        self._at_entry = set(self._entries)
 
     # -- placement -------------------------------------------------------------------
 
@@ -81,7 +88,37 @@ class ProtectedSet:
             found += [e for e in self.hits(tensor, kind, resizes) if e not in found]
         if found and self._follow(found):  # memory it no longer owns: look again
             return self.written_entries(written, kind, resizes)
-        return found
+        return self._still_held(found) if found else found
+
+    def _placed_here(self, entry: Entry) -> bool:
+        """Whether `entry`'s tensor was placed into the guarded object while the guard ran."""
+        tensor = entry.ref()
+        return tensor is not None and self._at_entry is not None and id(tensor) not in self._at_entry
+
+    def _still_held(self, entries: list[Entry]) -> list[Entry]:
+        """`entries` less those of tensors placed during the guard that the guarded object no
+        longer holds (`lets_go_of_what_left`): those are let go now, unreported.
+
+        Asked only where a write or a change would be reported, so a placement's cost stays
+        what was placed: which tensors the object holds is what a full walk says (`settle`).
+        """
+        if not self.lets_go_of_what_left or not any(map(self._placed_here, entries)):
+            return entries
+        self.settle()
+        left = [e for e in entries if e.detached and self._placed_here(e)]
+        if not left:
+            return entries
+        self._let_go(left)
+        gone = set(map(id, left))
+        return [e for e in entries if id(e) not in gone]
+
+    def _let_go(self, entries: list[Entry]) -> None:
+        """Stop protecting `entries` (the write hook forgets their memory)."""
+        for entry in entries:
+            tensor = entry.ref()
+            if tensor is not None and self._entries.get(id(tensor)) is entry:
+                del self._entries[id(tensor)]
+        self._rebuild_index()
 
     def look(self) -> None:
         """Protect what was placed since the last look (and forget what died): before any write is judged."""
@@ -259,7 +296,10 @@ class ProtectedSet:
         on_death, entries = self._on_death, self._entries
         placements = None if frames is None else _frames.Placements(frames)  # each frame read once
         added = []
+        at_entry = self._at_entry
         for leaf, record in zip(leaves, records):
+            if at_entry is not None:
+                at_entry.discard(id(leaf.tensor))  # a new tensor where one of those died
             placed_at = None if placements is None else placements.placed_at(leaf.chain, leaf.tensor)
             entry = entries[id(leaf.tensor)] = Entry(leaf.path, record, weakref.ref(leaf.tensor, on_death), placed_at)
             added.append(entry)
@@ -319,7 +359,13 @@ class ProtectedSet:
             found = self._changes_now()
         if found:
             self.settle()
+            found = self._changes_still_held(found)
         return found
+
+    def _changes_still_held(self, found: list[Change]) -> list[Change]:
+        """`found` less the changes of tensors placed during the guard that have left it (`_still_held`)."""
+        kept = set(map(id, self._still_held([change.entry for change in found])))
+        return [change for change in found if id(change.entry) in kept]
 
     def _changes_now(self) -> list[Change]:
         found, moved = self._compare([(e, t) for e in list(self._entries.values()) if (t := e.ref()) is not None])

@@ -27,6 +27,8 @@ from kvguard._protect.records import Record
 class QueuedSet(ProtectedSet):
     """Protects what `_pending` holds (weak references) at the next look; subclasses name each entry."""
 
+    lets_go_of_what_left = False  # nothing is placed: each tensor is protected while it lives
+
     def __init__(self, name: str, fingerprint: bool = False) -> None:
         self._pending: list[Any] = []  # weak references not protected yet: the watched container
         # (weak reference, record) of tensors the write hook knows already, their entries not made yet

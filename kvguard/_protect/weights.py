@@ -53,6 +53,8 @@ class _Root(NamedTuple):
 class ModuleSet(ProtectedSet):
     """The parameters and buffers of `modules` (name, module), protected as entries."""
 
+    lets_go_of_what_left = False  # a module's weights are its own: what it held stays protected
+
     def __init__(self, modules: Sequence[tuple[str, torch.nn.Module]], fingerprint: bool = True) -> None:
         # (name, module, holders) of each guarded module, and of each parameter no named module
         # holds: holders are the optimizers (their keys) it is protected for, None for the
