@@ -300,6 +300,7 @@ def test_writes_in_workers_under_warn_are_reported_with_no_killed_worker(tmp_pat
     assert (row["site"], row["writes"]) == (f"workers_job.py:{write_line}", 17)
 
 
+@pytest.mark.slow  # a variant: kept, the clean and warn runs with workers
 def test_workers_of_an_iterator_still_held_at_exit_end_normally(tmp_path: Path) -> None:
     """`it = iter(loader); next(it)` and exit: torch would leave the workers to be terminated;
     they end as a deleted iterator's do, each with its line and summary record."""
@@ -309,6 +310,7 @@ def test_workers_of_an_iterator_still_held_at_exit_end_normally(tmp_path: Path) 
     assert report.returncode == 0 and described["status"] == "clean", report.stdout + report.stderr
 
 
+@pytest.mark.slow  # a variant: kept, the clean and warn runs with workers
 def test_under_raise_the_workers_summaries_count_the_stopped_write(tmp_path: Path) -> None:
     job, report, described = _run_workers_job(tmp_path, "fork", "persistent", "cached", "quiet-main",
                                               action="raise")
