@@ -820,10 +820,11 @@ def _patch_compiled_graph(module: Any) -> None:
     cls.__call__ = outside_dynamo(__call__)
 
 
-def mutated_inputs(graph: Any, inputs: Sequence[Any]) -> list[tuple[int, torch.Tensor]]:
-    """(position, tensor) of each input the compiled graph writes."""
-    return [(i, inputs[i]) for i in sorted(graph.mutated_input_idxs)
-            if i < len(inputs) and isinstance(inputs[i], torch.Tensor)]
+def mutated_inputs(graph: Any, inputs: Sequence[Any]) -> tuple[list[int], list[Any]]:
+    """The positions of the inputs the compiled graph writes, and those inputs (tensors, as
+    inductor's artifact lists only tensors as mutated)."""
+    positions = [i for i in graph.mutated_input_idxs if i < len(inputs)]
+    return positions, [inputs[i] for i in positions]
 
 
 def dynamo_generated(code: Any) -> bool:

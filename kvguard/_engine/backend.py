@@ -58,3 +58,7 @@ class Backend(Protocol):
 
     def writes(self) -> int:
         """How many outermost writing ops ran while enabled."""
+
+    def candidates(self, tensors: Sequence[Any]) -> list[int]:
+        """The positions of the tensors a write into which would reach the callback now (the
+        hook's own test, for writes no op dispatches: a compiled graph's kernels)."""

@@ -14,7 +14,7 @@ An engine that cannot be had is one line on stderr, then the next one: never a c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Union, cast
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union, cast
 
 import torch
 
@@ -131,7 +131,7 @@ def _backend(name: str) -> Union[Backend, str]:
 
 def attach(judge: WriteJudge) -> Any:
     """Start reporting writes to `judge`; returns the attachment (`.engine`, `.ops`, `.detach(exc_info)`)."""
-    graphs.listen(active_judges)  # every engine: compiled graphs write where none of them looks
+    graphs.listen(judges_of)  # every engine: compiled graphs write where none of them looks
     name = choose()
     if name != "mode":
         try:
@@ -143,10 +143,19 @@ def attach(judge: WriteJudge) -> Any:
     return ModeAttachment(judge)
 
 
-def active_judges() -> list[WriteJudge]:
-    """Every active guard's judge, in the order a write reaches them: the write hook's, innermost
-    first, then this thread's dispatch modes'."""
-    return [j for hook in list(_hook_engines.values()) for j in reversed(list(hook.judges))] + thread_judges()
+def judges_of(tensors: Sequence[torch.Tensor]) -> dict[int, list[WriteJudge]]:
+    """Position -> the active guards' judges a write into `tensors[position]` is shown to, in
+    the order a write reaches them: the write hook's (innermost first, and only where the hook
+    itself would call them), then this thread's dispatch modes'. Positions shown to none are left out."""
+    modes = thread_judges()
+    found: dict[int, list[WriteJudge]] = {i: list(modes) for i in range(len(tensors))} if modes else {}
+    for hook in list(_hook_engines.values()):
+        judges = list(reversed(list(hook.judges)))
+        if judges:
+            hook.look()  # what was placed since the last write is protected first, as the hook does
+            for i in hook.backend.candidates(tensors):
+                found[i] = judges + found.get(i, [])
+    return found
 
 
 def _say_once(key: str, line: str) -> None:

@@ -15,6 +15,7 @@ otherwise the compiled call's line.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import io
 import linecache
@@ -35,38 +36,41 @@ _SITES = "_kvguard_write_sites"  # the artifact's attribute caching its input ->
 _listening: list[Callable[[], None]] = []  # the undo, once listening
 
 
-def listen(judges: Callable[[], list[WriteJudge]]) -> None:
-    """From now on, judge every compiled graph's input writes for `judges()` (once per process)."""
+JudgesOf = Callable[[Sequence[torch.Tensor]], dict[int, list[WriteJudge]]]  # see `choice.judges_of`
+
+
+def listen(judges_of: JudgesOf) -> None:
+    """From now on, judge every compiled graph's input writes (once per process): `judges_of(tensors)`
+    gives, per tensor, the active judges a write into it is shown to."""
     if _listening:
         return
-
-    def before(graph: Any, inputs: Sequence[Any]) -> Optional[Callable[[bool], None]]:
-        active = judges()
-        return judge_graph(active, graph, inputs) if active else None
-    _listening.append(_torch.on_compiled_graph_call(before))
+    _listening.append(_torch.on_compiled_graph_call(functools.partial(judge_graph, judges_of)))
 
 
-def judge_graph(judges: list[WriteJudge], graph: Any, inputs: Sequence[Any]) -> Optional[Callable[[bool], None]]:
+def judge_graph(judges_of: JudgesOf, graph: Any, inputs: Sequence[Any]) -> Optional[Callable[[bool], None]]:
     """Judge the writes `graph` will make to `inputs`, one input at a time (each at its own line);
-    returns what reports them once the graph has run. Raises, before the graph runs, to stop it."""
-    written = _torch.mutated_inputs(graph, inputs)
-    if not written:
+    returns what reports them once the graph has run. Raises, before the graph runs, to stop it.
+
+    Per call it costs one pass over the mutated inputs in C (the write hook's own test): a
+    compiled optimizer step writes every parameter and its state, and stays near eager's cost."""
+    positions, written = _torch.mutated_inputs(graph, inputs)
+    shown = judges_of(written) if written else {}
+    if not shown:
         return None
     sites = write_sites(graph)
     facts = _torch.op_facts(_COPY)
     pending: list[PendingWrite] = []
     try:
-        for position, tensor in written:
-            site = _site(sites.get(position))
-            with _frames.located(site):
-                pending += judge_all(judges, _COPY, facts, (tensor,))
+        for i, judges in sorted(shown.items()):
+            with _frames.located(functools.partial(_site, sites.get(positions[i]))):
+                pending += judge_all(judges, _COPY, facts, (written[i],))
     except BaseException:
         for found in pending:  # a later input's write stopped the graph: nothing landed
             found.stopped()
         raise
     if not pending:
         return None
-    undo = judged_as_graph_writes([t for _, t in written])
+    undo = judged_as_graph_writes([written[i] for i in shown])
 
     def after(failed: bool) -> None:
         undo()
@@ -101,7 +105,8 @@ def _call_site() -> _frames.Site:
 
 def _site(named: Optional[_frames.Site]) -> _frames.Site:
     """Where the report puts a write the graph's text names (`named`): there if the source
-    confirms it, else the user's line that called the compiled code."""
+    confirms it, else the user's line that called the compiled code. Asked only for a write
+    that hits protected memory."""
     try:
         confirmed = _confirmed(named) if named is not None else None
     except Exception:  # noqa: BLE001 - a source that cannot be read: the call's line

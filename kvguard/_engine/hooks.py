@@ -154,6 +154,10 @@ class HookEngine:
                               None if any(s is None for s in snapshots) else [
                                   pair for pairs in snapshots for pair in pairs or ()])
 
+    def look(self) -> None:
+        """Protect what was placed since the last look (before a write no op dispatches)."""
+        self._look()
+
     def _look(self) -> None:
         """Before a write is judged: protect what was placed since the last look."""
         for judge in list(self.judges):

@@ -193,6 +193,13 @@ def writes() -> int:
     return _state.writes
 
 
+def candidates(tensors: Sequence[Any]) -> list[int]:
+    """The positions of the tensors a write into which would reach the callback now."""
+    if not _state.enabled or _state.callback is None:
+        return []
+    return [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and _candidate(t)]
+
+
 def _overload(name: str) -> Any:
     try:
         return overload_of(name)

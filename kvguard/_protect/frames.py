@@ -19,7 +19,7 @@ import sysconfig
 import threading
 import types
 from collections import deque
-from typing import Any, Collection, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Collection, Iterator, NamedTuple, Optional
 
 from kvguard._protect.tree import Attr
 
@@ -144,23 +144,23 @@ UNKNOWN_SITE = Site("<unknown>", 0, "<unknown>", "")
 def user_site() -> Site:
     """Where the user's code is now: the innermost frame outside torch, kvguard and wrapt
     (or the site a caller named with `located`, for writes no frame shows)."""
-    named: Optional[Site] = getattr(_located, "site", None)
+    named: Optional[Callable[[], Site]] = getattr(_located, "site", None)
     if named is not None:
-        return named
+        return named()
     return site_of(next(user_frames(sys._getframe(1)), None))
 
 
 class located:
-    """`with located(site):` reports made on this thread inside the block are at `site`:
-    a compiled graph's write is at its source line, which no Python frame runs."""
+    """`with located(site):` reports made on this thread inside the block are at `site()`, asked
+    only when a report needs it: a compiled graph's write is at its source line, which no
+    Python frame runs."""
 
-    def __init__(self, site: Site) -> None:
+    def __init__(self, site: Callable[[], Site]) -> None:
         self.site = site
 
-    def __enter__(self) -> Site:
+    def __enter__(self) -> None:
         self._outer = getattr(_located, "site", None)
         _located.site = self.site
-        return self.site
 
     def __exit__(self, *exc: Any) -> None:
         _located.site = self._outer

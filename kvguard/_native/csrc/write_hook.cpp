@@ -1277,6 +1277,36 @@ PyObject* py_writes(PyObject*, PyObject*) {
   return PyLong_FromUnsignedLongLong(g_writes.load(std::memory_order_relaxed));
 }
 
+// candidates(tensors) -> list[int]: the positions of the tensors a write into which the hook
+// would hand to its callback now (none while it is off or has none). For writes no op
+// dispatches (a compiled graph's kernels): the same test as the hook's, before they run.
+PyObject* py_candidates(PyObject*, PyObject* arg) {
+  KVGUARD_TRY
+  PyRef seq{PySequence_Fast(arg, "candidates() takes a sequence of tensors")};
+  if (seq.p == nullptr) return nullptr;
+  PyRef out{PyList_New(0)};
+  if (out.p == nullptr) return nullptr;
+  if (!g_enabled.load(std::memory_order_relaxed) || !g_has_callback.load(std::memory_order_relaxed)) {
+    Py_INCREF(out.p);
+    return out.p;
+  }
+  const bool send_all = g_send_all.load(std::memory_order_relaxed);
+  std::shared_ptr<const Protected> protected_;
+  if (!send_all) protected_ = std::atomic_load(&g_protected);
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.p);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PySequence_Fast_GET_ITEM(seq.p, i);
+    if (!THPVariable_Check(item)) continue;
+    const at::Tensor& t = THPVariable_Unpack(item);
+    if (!t.defined() || !(send_all || is_candidate(t, protected_.get()))) continue;
+    PyRef position{PyLong_FromSsize_t(i)};
+    if (position.p == nullptr || PyList_Append(out.p, position.p) != 0) return nullptr;
+  }
+  Py_INCREF(out.p);
+  return out.p;
+  KVGUARD_CATCH
+}
+
 
 // ---- autograd's pack and unpack hooks in C ---------------------------------------------------
 // kvguard._protect.saved's hooks, for the common case, without a Python frame: SavedHooks'
@@ -1869,6 +1899,9 @@ PyMethodDef methods[] = {
      "digest, inference): see kvguard/_native/csrc/write_hook.cpp."},
     {"writes", py_writes, METH_NOARGS,
      "writes() -> int\n\nHow many outermost writing ops ran while enabled."},
+    {"candidates", py_candidates, METH_O,
+     "candidates(tensors) -> list[int]\n\nThe positions of the tensors a write into which the hook "
+     "would hand to its callback now (none while it is off or has no callback)."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {
