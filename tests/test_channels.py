@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import kvguard
+from setitem_ops import MASK_FILL, SLICE_FILL
 
 THIS_FILE = os.path.basename(__file__)
 
@@ -342,8 +343,8 @@ VISIBLE = [
         "aten.zero_.default",
     ),
     Row("row05-select-iadd", lambda t: _plain(), _mutate_05, "aten.add_.Tensor"),
-    Row("row06-mask-index_put_", lambda t: _plain(), _mutate_06, "aten.index_put_.default"),
-    Row("row07-slice-fill_", lambda t: _plain(), _mutate_07, "aten.fill_.Tensor"),
+    Row("row06-mask-index_put_", lambda t: _plain(), _mutate_06, MASK_FILL),  # masked_fill_ from torch 2.15
+    Row("row07-slice-fill_", lambda t: _plain(), _mutate_07, SLICE_FILL),  # fill_.Scalar from torch 2.15
     Row(
         "row08-mul-out",
         lambda t: _plain(),

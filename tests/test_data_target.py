@@ -20,6 +20,7 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset, TensorD
 
 import kvguard
 from tests.processes import run_python
+from tests.setitem_ops import MASK_FILL
 
 PAD = 0
 
@@ -57,7 +58,7 @@ def test_the_cached_mask_written_for_the_next_sample_is_stopped_at_its_line() ->
             sample = ds[0]
             ds[1]
     event = caught.value.event
-    assert (event.path, event.op, event.lineno) == ("GPTDataset[0]['loss_mask']", "aten.index_put_.default",
+    assert (event.path, event.op, event.lineno) == ("GPTDataset[0]['loss_mask']", MASK_FILL,
                                                    line_of("# MASK-WRITE"))
     assert event.placed_at == f"test_data_target.py:{line_of('# GETITEM')}"
     assert torch.equal(sample["loss_mask"], torch.tensor([1.0, 0.0, 1.0, 0.0])) and first is not None
@@ -202,7 +203,7 @@ def test_the_switch_reaches_dataloader_workers(tmp_path: Path) -> None:
     done = run_python("-m", "kvguard", "run", "--", sys.executable, script, KVGUARD="raise", KVGUARD_TARGETS="data")
     assert done.returncode == 1 and "not caught" not in done.stdout, done.stdout + done.stderr
     assert "kvguard.MutationError: Caught MutationError in DataLoader worker process" in done.stderr
-    assert "GPTDataset[0]['loss_mask'] would be modified in place by aten.index_put_.default at job.py:16" \
+    assert f"GPTDataset[0]['loss_mask'] would be modified in place by {MASK_FILL} at job.py:16" \
         in done.stderr
     assert "kvguard [DataLoader worker 0]: data: " in done.stderr
 
@@ -383,7 +384,7 @@ def test_real_megatron_core_gpt_dataset_caught_at_its_line_and_the_fix_clean(
     buggy = run("0.14.0")
     assert buggy.returncode == 1, buggy.stdout + buggy.stderr
     assert ("kvguard.MutationError: GPTDataset[0]['loss_mask'] would be modified in place by "
-            "aten.index_put_.default at gpt_dataset.py:211\n"
+            f"{MASK_FILL} at gpt_dataset.py:211\n"
             "  code     loss_mask[labels == self._pad_token_id] = 0.0\n") in buggy.stderr
     fixed = run("0.15.0")
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr

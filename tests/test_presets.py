@@ -34,6 +34,7 @@ from kvguard._presets import PRESETS, PresetTarget
 from kvguard._report.process import ProcessReport
 from kvguard._state import State
 from kvguard._targets import Target
+from setitem_ops import SLICE_FILL
 
 FAKE = Path(__file__).resolve().parent / "fake_frameworks"
 JOBS = FAKE / "jobs"
@@ -370,7 +371,7 @@ def test_nemo_rl_span_writes_through_expanded_advantages_are_caught_where_allowe
     result = run(JOBS / "nemo_rl_penalties.py", env={"KVGUARD": "raise", "KVGUARD_TARGETS": "nemo-rl"}, path=root)
     assert result.returncode == 1 and "advantages [" not in result.stdout
     assert ("kvguard.MutationError: train_data['advantages'] would be modified in place through elements that "
-            f"share memory by aten.fill_.Tensor at grpo.py:{bug}") in result.stderr, result.stderr
+            f"share memory by {SLICE_FILL} at grpo.py:{bug}") in result.stderr, result.stderr
     assert ("  shared   a write naming 1 element changes 4: this tensor's elements share memory (a dimension of "
             "stride 0, from expand), so a write to one changes every element sharing it\n") in result.stderr
 
