@@ -54,7 +54,7 @@ class Writer:
     why: str  # why the write is meant
     how: str = "scope"  # "scope": applied on the stack, from this table; "rule": in kvguard's code
     where: str = ""  # for a rule: the code that applies it
-    tested: str = ""  # the versions the real-library jobs ran clean in (tests/test_real_libraries.py)
+    tested: str = ""  # the versions the real-library jobs ran clean in (tests/test_real_libraries.py, per line)
 
     def applies(self) -> bool:
         """Whether the installed version (if any) is inside `versions`: a scope applies only then."""
@@ -79,7 +79,7 @@ WRITERS: tuple[Writer, ...] = (
         "merged copy, re-pointed with `base_layer.weight.data = merged`); unmerge subtracts it again",
         "merge_and_unload(), merge_adapter() and unmerge_adapter() fold the trained adapter into the base "
         "weights (trl's GRPO merges before each vLLM weight sync and unmerges after): the write the user asked for",
-        tested="0.21.2"),
+        tested="0.13.2, 0.17.1, 0.19.1, 0.21.2"),
     Writer(
         "peft LoRA initialisation from the base weights", WEIGHTS, "peft", ">=0.10,<1", _PEFT_READ,
         ("peft.tuners.lora.layer:*.pissa_init(self)", "peft.tuners.lora.layer:*.olora_init(self)",
@@ -92,7 +92,7 @@ WRITERS: tuple[Writer, ...] = (
         "principal part of each base weight into the adapter, so the model computes the same function: the "
         "re-initialisation the user asked for (a false alarm when the weights were watched since a "
         "load_state_dict())",
-        tested="0.21.2"),
+        tested="0.13.2, 0.17.1, 0.19.1, 0.21.2"),
     Writer(
         "torch's initialisers", WEIGHTS, "torch", ">=2.4,<3", "2.13.0",
         ("torch.nn.init:*(tensor)", "torch.nn.modules.*:*.reset_parameters(self)",
@@ -118,7 +118,7 @@ WRITERS: tuple[Writer, ...] = (
         "post_init() and init_weights() initialise new modules; resize_token_embeddings() after adding tokens "
         "(a pad token, chat tokens) grows the embedding and head: both are what the user asked for, also after "
         "a load_state_dict()",
-        tested="5.25.0"),
+        tested="4.46.3, 4.57.1, 5.10.4, 5.15.0, 5.25.0"),
     Writer(
         "trl SyncRefModelCallback", WEIGHTS, "trl", ">=0.9,<2", _TRL_READ,
         ("trl.trainer.callbacks:SyncRefModelCallback._sync_target_model(target_model)",
@@ -127,7 +127,7 @@ WRITERS: tuple[Writer, ...] = (
         "(in trl.trainer.utils up to 0.9, trl.trainer.callbacks from 0.10)",
         "TR-DPO / sync_ref_model=True (DPO, GRPO): the reference model is blended towards the policy every "
         "ref_model_sync_steps steps, by design",
-        tested="1.16.0"),
+        tested="0.12.2, 0.24.0, 1.16.0"),
     Writer(
         "torch parametrizations", WEIGHTS, "torch", ">=2.4,<3", "2.13.0",
         ("torch.nn.utils.parametrize:_maybe_set(dest)",),

@@ -243,8 +243,9 @@ def _absent(dist: str) -> list[str]:
     """The intended writers' functions of `dist` that its installed version has not (read in each line):
     `unmatched` of a job that ran them must be exactly these."""
     version = _release(dist)
-    if dist == "transformers":
-        return ["transformers.initialization:*(tensor)"] if version < (5,) else []
+    if dist == "transformers":  # PreTrainedModel.initialize_weights from 4.53, transformers.initialization from 5
+        return sorted((["transformers.*:*.initialize_weights(self)"] if version < (4, 53) else [])
+                      + (["transformers.initialization:*(tensor)"] if version < (5,) else []))
     if dist == "peft":
         since = {"pissa_init": (0, 11), "olora_init": (0, 12), "corda_init": (0, 15), "lora_ga_init": (0, 19)}
         return sorted(f"peft.tuners.lora.layer:*.{init}(self)" for init, first in since.items() if version < first)
