@@ -32,6 +32,8 @@ def test_demo_catches_the_kl_bug_with_placement_op_line_and_diff() -> None:
     assert "16/16 elements changed" in err and "sign flips" in err
     assert "\x1b[" not in err, "no colour codes when stderr is not a terminal"
     assert "kvguard caught 8 in-place writes to rollout_data." in result.stdout
+    if os.environ.get("CI"):  # CI has a compiler: the demo runs at full speed on every torch CI tests
+        assert "engine is not available" not in err, err
 
 
 def test_fixed_variant_is_clean() -> None:
