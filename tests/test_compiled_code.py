@@ -125,6 +125,34 @@ def test_a_compiled_write_to_a_tensor_a_compiled_forward_saved_is_stopped() -> N
     assert loss.grad_fn is not None
 
 
+class _Rows(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __init__(self) -> None:
+        self.rows = [torch.arange(4.0) + i for i in range(3)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.rows[i]}  # the dataset's own tensor, not a copy
+
+
+def _normalise(sample: dict[str, torch.Tensor]) -> torch.Tensor:
+    x = sample["x"]
+    x -= x.mean()  # DATA WRITE
+    return x
+
+
+def test_a_compiled_write_to_what_a_dataset_returned_is_reported_at_the_line() -> None:
+    torch._dynamo.reset()
+    rows = _Rows()
+    with kvguard.guard_data(action="record") as g:
+        _normalise_compiled = torch.compile(_normalise)
+        _normalise_compiled(rows[1])
+    assert [(e.path, e.kind, e.lineno) for e in g.report.events] == [
+        ("_Rows[1]['x']", "write", _line_of(_normalise, "DATA WRITE"))]
+    assert g.report.events[0].before.startswith("[1, 2, 3, 4]")
+
+
 def _train(guarded: bool) -> tuple[list[float], dict[str, int], list[str]]:
     """A compiled model, loss and optimizer step, 3 steps: losses, Dynamo's counters, warnings."""
     from torch._dynamo.utils import counters
