@@ -182,6 +182,59 @@ def written_tensors(facts: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any
     return found
 
 
+def shared_reads(facts: OpFacts, args: Sequence[Any], kwargs: dict[str, Any],
+                 written: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The tensors an op call only reads (no argument it writes) that share a storage with a tensor it
+    writes: what a self-overlapping write (`data[:, 1:].copy_(data[:, :-1])`) reads. Asked on a hit only."""
+    storages = {_storage_key(w) for w in written} - {None}
+    if not storages:
+        return ()
+    positions = {a.position for a in facts.written if not a.kwarg_only}
+    names = {a.name for a in facts.written}
+    found: list[torch.Tensor] = []
+    for i, arg in enumerate(args):
+        if i not in positions:
+            _collect(arg, found)
+    for name, arg in kwargs.items():
+        if name not in names:
+            _collect(arg, found)
+    return tuple(t for t in found if _storage_key(t) in storages
+                 and not any(t is w or _same_geometry(t, w) for w in written))  # `add(x, 1, out=x)`: none
+
+
+def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.stride() == b.stride()
+                and a.shape == b.shape and a.is_conj() == b.is_conj() and a.is_neg() == b.is_neg())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _storage_key(t: torch.Tensor) -> Optional[tuple[Any, int]]:
+    try:
+        if type(t) not in PLAIN or t.layout != _STRIDED or t.is_meta:
+            return None
+        address = int(t.untyped_storage().data_ptr())
+        return (t.device, address) if address else None
+    except Exception:  # noqa: BLE001 - a tensor with no storage reads nothing it writes
+        return None
+
+
+def partial_overlap(written: Sequence[torch.Tensor], read: Sequence[torch.Tensor]) -> Optional[tuple[int, int]]:
+    """(index into `written`, index into `read`) of the first pair whose elements overlap without being the
+    same elements in the same order (`x.add_(x)` reads each element where it writes it: no overlap
+    hazard; `x[1:].copy_(x[:-1])`, `x.index_copy_(0, i, x[::2])` read elements the op also writes
+    elsewhere); None when there is none. Exact, by stride arithmetic (`elements_overlap`)."""
+    for i, w in enumerate(written):
+        for j, r in enumerate(read):
+            try:
+                if not _same_geometry(w, r) and elements_overlap(w, r):
+                    return i, j
+            except Exception:  # noqa: BLE001 - an unusual tensor: judged as no overlap
+                continue
+    return None
+
+
 def _add_undeclared(schema: Any, written: tuple[WrittenArg, ...], names: tuple[str, ...],
                     when: Optional[str]) -> tuple[WrittenArg, ...]:
     """`written` plus the parameters `names` (see `_UNDECLARED_WRITES`), in schema order."""
@@ -818,6 +871,58 @@ def _patch_compiled_graph(module: Any) -> None:
     __call__._kvguard_graph = True  # type: ignore[attr-defined]
     functools.update_wrapper(__call__, call)
     cls.__call__ = outside_dynamo(__call__)
+
+
+WaitListener = Callable[[Optional[list[torch.Tensor]]], None]
+_wait_listeners: list[WaitListener] = []
+
+
+def on_work_wait(listener: WaitListener) -> Callable[[], None]:
+    """Call `listener(outputs)` each time a c10d `Work.wait()` returns, on the waiting thread, with the
+    tensors the collective wrote (its future's value) or None where the backend does not say. Every
+    `torch.distributed` collective waits through it (a synchronous call waits before returning).
+    Returns the undo; nothing is patched while no listener is left (or where torch has no c10d)."""
+    work = _work_class()
+    if work is None:
+        return _no_undo
+    if not _wait_listeners:
+        original = work.__dict__["wait"]
+
+        def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+            done = original(self, *args, **kwargs)
+            try:
+                outputs: Optional[list[torch.Tensor]] = [t for t in self.get_future().value()
+                                                         if isinstance(t, torch.Tensor)]
+            except Exception:  # noqa: BLE001 - a backend with no future: it says nothing of its outputs
+                outputs = None
+            for heard in list(_wait_listeners):
+                heard(outputs)
+            return done
+        wait._kvguard_original = original  # type: ignore[attr-defined]
+        work.wait = wait
+    _wait_listeners.append(listener)
+
+    def undo() -> None:
+        if listener in _wait_listeners:
+            _wait_listeners.remove(listener)
+        if not _wait_listeners:
+            ours = work.__dict__.get("wait")
+            original = getattr(ours, "_kvguard_original", None)
+            if original is not None:
+                work.wait = original
+    return undo
+
+
+def _work_class() -> Any:
+    try:
+        import torch.distributed as dist
+        return dist.Work if dist.is_available() else None
+    except Exception:  # noqa: BLE001 - a torch built without distributed
+        return None
+
+
+def _no_undo() -> None:
+    pass
 
 
 def mutated_inputs(graph: Any, inputs: Sequence[Any]) -> tuple[list[int], list[Any]]:

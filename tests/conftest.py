@@ -40,7 +40,7 @@ ENGINES = ("compiled", "kernels", "mode")
 # The others (reports, CLI, start-up, integrations) run under the automatic choice.
 PER_ENGINE = {"test_guard", "test_channels", "test_odd_tensors", "test_never_crash", "test_containers",
               "test_fingerprints", "test_cliffs", "test_undeclared_writes", "test_property", "test_engines",
-              "test_placements", "test_autograd", "test_weights"}
+              "test_placements", "test_autograd", "test_weights", "test_shared_memory"}
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -38,7 +38,8 @@ def test_a_one_element_write_through_an_expanded_tensor_is_reported_where_its_pa
         ("alias", SLICE_FILL, line_of("# SPAN"), False)]
     assert alias[0].diff.startswith(SHARED + "; 6/12 elements changed")
     assert alias[0].headline().startswith(
-        f"train_data['advantages'] was modified in place through elements that share memory by {SLICE_FILL}")
+        "train_data['advantages'] (the same memory as train_data['per_sample']) was modified in place through "
+        f"elements that share memory by {SLICE_FILL}")
     # the per-sample tensor is another entry: a plain write, its path not allowed
     assert [(e.path, e.kind) for e in g.report.events if e.path != "train_data['advantages']"] == [
         ("train_data['per_sample']", "write")]

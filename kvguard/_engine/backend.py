@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Protocol, Sequence
 
-# Called on a possible hit with the op's name and every tensor it writes; may return what
-# to call once the write is done (`after()`, or `after(True)` if the op raised).
-Callback = Callable[[str, Sequence[Any]], Optional[Callable[..., object]]]
+# Called on a possible hit with the op's name and every tensor it writes (and, as a third
+# argument only when there are any, the tensors it only reads that share a storage with
+# those); may return what to call once the write is done (`after()`, or `after(True)` if
+# the op raised).
+Callback = Callable[..., Optional[Callable[..., object]]]
 
 
 class Backend(Protocol):

@@ -56,8 +56,9 @@ class HookEngine:
         # Called from inside ops, also while Dynamo traces a compiled function: never traced.
         on_write, look = self._on_write, self._look
 
-        def on_write_outside(name: str, written: Sequence[torch.Tensor]) -> Optional[After]:
-            return on_write(name, written)
+        def on_write_outside(name: str, written: Sequence[torch.Tensor],
+                             read: Sequence[torch.Tensor] = ()) -> Optional[After]:
+            return on_write(name, written, read)
 
         def look_outside() -> None:
             look()
@@ -163,8 +164,10 @@ class HookEngine:
         for judge in list(self.judges):
             judge.protected.look()
 
-    def _on_write(self, name: str, written: Sequence[torch.Tensor]) -> Optional[After]:
-        """A write that may touch protected memory; returns what to run after it, if anything."""
+    def _on_write(self, name: str, written: Sequence[torch.Tensor],
+                  read: Sequence[torch.Tensor] = ()) -> Optional[After]:
+        """A write that may touch protected memory; returns what to run after it, if anything.
+        `read`: the arguments it only reads that share a storage with what it writes."""
         func = overload_of(name)
         facts = _torch.op_facts(func)
         if not facts.written or next(_frames.user_frames(sys._getframe(0).f_back), None) is None:
@@ -173,7 +176,7 @@ class HookEngine:
             return None
         # Innermost guard first; then the dispatch modes on this thread, which the op
         # reaches after ADInplaceOrView (asked only when a guard here stops it).
-        afters = judge_all(reversed(list(self.judges)), func, facts, written, more=thread_judges)
+        afters = judge_all(reversed(list(self.judges)), func, facts, written, more=thread_judges, read=read)
         return _Afters(afters) if afters else None
 
     def writes(self) -> int:

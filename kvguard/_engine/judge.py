@@ -39,6 +39,20 @@ CAPTURE_VALUES = "(not read: a CUDA graph is being captured on this stream)"
 CAPTURE_DIFF = ("values not compared: the write was recorded into a CUDA graph being captured, and runs when "
                 "the graph replays (a replay's change is found at the next boundary check)")
 META_DIFF = "values not compared: a meta tensor holds no data (the write covers some of its elements)"
+# The event kinds of this module's own findings (the others are the op's: `_torch.OpFacts.kind`).
+REDUCED_TWICE = "reduced_twice"
+SELF_OVERLAP = "self_overlap"
+TWICE_DIFF = ("{op} reached this memory a second time at this line in this guarded call, and it is held under "
+              "{n} paths ({paths}): a loop over them applies the op to it twice (an all_reduce sums it twice)")
+OVERLAP_DIFF = ("the op reads {read} while writing {written} in the same memory, shifted: it reads elements it "
+                "also writes, so what it reads depends on the order its kernel writes in (read from a copy: "
+                "src.clone())")
+PENDING_VALUES = "pending (the collective had not completed when its op returned)"
+PENDING_AT = ("read {when}, with no wait() of the collective seen before: it may still have been pending then")
+# In-place ops that combine a tensor's values with others' (a collective's reduction, an accumulation):
+# applied twice to one memory, the result is wrong (summed twice), unlike an overwrite done twice.
+_REDUCING = frozenset({"allreduce_", "allreduce_coalesced_", "reduce_", "add_", "sub_", "mul_", "div_",
+                       "addcmul_", "addcdiv_", "_foreach_add_", "_foreach_sub_", "_foreach_mul_", "_foreach_div_"})
 _COPY = torch.ops.aten.copy_.default
 # What a write's report compares against: the values it could change, copied just before
 # it (None when they could not be read), and which flat index ranges those are (None: all).
@@ -74,9 +88,11 @@ After = Callable[..., None]  # after(failed=False): a PendingWrite, or several i
 
 
 def judge_all(judges: Iterable[WriteJudge], func: Any, facts: _torch.OpFacts, written: Sequence[torch.Tensor],
-              args: Sequence[Any] = (), more: Callable[[], Iterable[WriteJudge]] = tuple) -> list[PendingWrite]:
+              args: Sequence[Any] = (), more: Callable[[], Iterable[WriteJudge]] = tuple,
+              read: Any = ()) -> list[PendingWrite]:
     """Every judge's verdict on one op, in the order the op reaches them (`more()`: those
-    it would reach afterwards, asked only when one stops it).
+    it would reach afterwards, asked only when one stops it). `read`: the tensors the op only
+    reads that share a storage with what it writes, or a function returning them (asked on a hit).
 
     When a guard stops the write, the others still record it (as blocked), then its
     `MutationError` is raised: a write touching several guards' memory is in each report.
@@ -89,7 +105,7 @@ def judge_all(judges: Iterable[WriteJudge], func: Any, facts: _torch.OpFacts, wr
     stop: Optional[MutationError] = None
     for judge in judges:
         try:
-            found = judge.begin(func, facts, written, args, stop=stop is None)
+            found = judge.begin(func, facts, written, args, stop=stop is None, read=read)
         except MutationError as exc:
             stop = exc
             continue
@@ -98,7 +114,7 @@ def judge_all(judges: Iterable[WriteJudge], func: Any, facts: _torch.OpFacts, wr
     if stop is None:
         return pending
     for judge in more():
-        found = judge.begin(func, facts, written, args, stop=False)
+        found = judge.begin(func, facts, written, args, stop=False, read=read)
         if found is not None:
             pending.append(found)
     for found in pending:
@@ -137,15 +153,19 @@ class WriteJudge:
         # What autograd saved matters only through the values backward reads: a re-pointing to
         # the same values (a memory-format conversion) changes nothing it computes.
         self._values_only = isinstance(protected, SavedSet)
+        # (file, line, op, entry) of each reducing write to memory held under several paths, in this guard
+        self._reached: set[tuple[str, int, str, int]] = set()
 
     def begin(self, func: Any, facts: _torch.OpFacts, written: Sequence[torch.Tensor],
-              args: Sequence[Any] = (), stop: bool = True) -> Optional[PendingWrite]:
+              args: Sequence[Any] = (), stop: bool = True, read: Any = ()) -> Optional[PendingWrite]:
         """Judge an op about to write `written`; returns what to run once it has, if anything.
 
         Raises (through the guard's callback) to stop the write; with `stop` false, another
         guard stops it: a blocking guard records its blocked events and raises nothing.
         `args` are the op's positional arguments where the engine has them (a self-copy is
-        no write). Engines call it through `judge_all`.
+        no write). Engines call it through `judge_all`. `read`: the tensors it only reads that
+        share a storage with what it writes (or a function returning them): one whose elements
+        overlap the written ones elsewhere makes the write a `self_overlap`.
         """
         protected = self.protected
         if not protected.judges_uncounted:
@@ -164,15 +184,27 @@ class WriteJudge:
         tensors = {id(e): protected.tensor_of(e) for e in hit} if facts.kind == "write" else {}
         aliased = _aliased(hit, tensors, written) if facts.kind == "write" else {}
         unversioned = _unversioned(hit, tensors, written, counter_only) if self._values_only and tensors else set()
+        # Other paths to this memory: the entry's own (the same tensor), and the other entries this write reaches.
+        shared = {id(e): tuple(e.aliases) + tuple(o.path for o in hit if o is not e and o.path not in e.aliases)
+                  for e in hit}
+        notes: dict[int, tuple[str, str]] = {}  # by entry: its kind, when the write's own, and why
+        if facts.kind == "write":
+            read = read() if callable(read) else read
+            overlap = _torch.partial_overlap(written, read) if read else None
+            if overlap is not None:
+                why = OVERLAP_DIFF.format(read=_placed(read[overlap[1]]), written=_placed(written[overlap[0]]))
+                notes.update((id(e), (SELF_OVERLAP, why)) for e in hit)
+            notes.update(self._reduced_twice(func, site, hit, shared))
         drifted = protected.drifted(hit) if not capturing else []
         for entry in drifted:  # changed since the last look, by nothing we saw:
             self.on_event(unobserved_event(entry, protected.tensor_of(entry), site, DRIFT_DIFF,
                                            before="(a digest)"), True)  # too late to stop: never raised
         if self.block:
             for entry in hit:
-                self.on_event(self._event(func, _kind(facts, entry, counter_only, aliased), entry, site,
+                self.on_event(self._event(func, _kind(facts, entry, counter_only, aliased, notes), entry, site,
                                           blocked=True, alias=aliased.get(id(entry)),
-                                          unversioned=id(entry) in unversioned), not stop)
+                                          unversioned=id(entry) in unversioned, shared=shared[id(entry)],
+                                          note=notes.get(id(entry))), not stop)
             if not stop:
                 return None
             # The callback chose not to stop the write: fall through and report it.
@@ -188,6 +220,8 @@ class WriteJudge:
                     copies[id(entry)] = (_diff.snapshot(tensor, ranges), ranges)
         before_meta = {} if facts.kind == "write" else {id(e): _describe(protected.tensor_of(e)) for e in hit}
 
+        collective = getattr(func, "namespace", "") == "c10d"
+
         def after(failed: bool = False) -> None:
             """Report the write; `failed`: the op raised, so report only what it changed before raising."""
             landed = hit if not failed else protected.drifted(hit)
@@ -195,20 +229,61 @@ class WriteJudge:
             # recorded into a CUDA graph lands at each replay: the boundary check finds that, from the digest
             # taken before.
             if not capturing:
-                protected.explain(landed, settled=getattr(func, "namespace", "") != "c10d")
+                protected.explain(landed, settled=not collective)
+            if collective and not failed and not capturing and landed:
+                # An asynchronous collective's values are read once it has completed: at its `wait()` (a
+                # synchronous call waits before returning), else at the guard's next boundary.
+                _defer(self, written, lambda when: report(landed, when))
+                return
+            report(landed)
+
+        def report(landed: list[Entry], when: str = "") -> None:
+            """The events of the entries written; `when`: where values were read without a wait() seen."""
+            if collective and not when and not capturing:
+                protected.explain(landed)  # completed: later changes are found from the values now
             for entry in landed:
                 if facts.kind != "write":
                     protected.relayout(entry)
-                self.on_event(self._event(func, _kind(facts, entry, counter_only, aliased), entry, site, blocked=False,
-                                          before_meta=before_meta.get(id(entry)), copy=copies.pop(id(entry), None),
-                                          alias=aliased.get(id(entry)), unversioned=id(entry) in unversioned))
+                self.on_event(self._event(func, _kind(facts, entry, counter_only, aliased, notes), entry, site,
+                                          blocked=False, before_meta=before_meta.get(id(entry)),
+                                          copy=copies.pop(id(entry), None), alias=aliased.get(id(entry)),
+                                          unversioned=id(entry) in unversioned, shared=shared[id(entry)],
+                                          note=notes.get(id(entry)), read_when=when))
 
         def stopped() -> None:
             copies.clear()  # nothing landed
             for entry in hit:
-                self.on_event(self._event(func, _kind(facts, entry, counter_only, aliased), entry, site, blocked=True,
-                                          alias=aliased.get(id(entry)), unversioned=id(entry) in unversioned), True)
+                self.on_event(self._event(func, _kind(facts, entry, counter_only, aliased, notes), entry, site,
+                                          blocked=True, alias=aliased.get(id(entry)),
+                                          unversioned=id(entry) in unversioned, shared=shared[id(entry)],
+                                          note=notes.get(id(entry))), True)
         return PendingWrite(after, stopped)
+
+    def _reduced_twice(self, func: Any, site: _frames.Site, hit: list[Entry],
+                       shared: dict[int, tuple[str, ...]]) -> dict[int, tuple[str, str]]:
+        """The entries held under several paths that this reducing op (an all_reduce, an `add_`) at this
+        line reaches a second time in this guard: a loop over a container holding one memory twice."""
+        schema = getattr(func, "_schema", None)
+        name = schema.name.rpartition("::")[2] if schema is not None else ""
+        if name not in _REDUCING:
+            return {}
+        found = {}
+        for entry in hit:
+            if not shared[id(entry)]:
+                continue
+            key = (site.filename, site.lineno, name, id(entry))
+            if key in self._reached:
+                paths = (entry.path,) + shared[id(entry)]
+                found[id(entry)] = (REDUCED_TWICE, TWICE_DIFF.format(op=_torch.short_op_name(func), n=len(paths),
+                                                                     paths=", ".join(paths)))
+            self._reached.add(key)
+        return found
+
+    def settle_collectives(self, when: str) -> None:
+        """Report the collectives this judge saw whose `wait()` has not been seen, reading their values
+        now (`when`: "at the guard's exit", ...): the guard reaches a boundary."""
+        for pending in _take(lambda p: p.judge is self):
+            pending.report(when)
 
     def on_swap(self, t1: torch.Tensor, t2: torch.Tensor) -> Callable[[bool], None]:
         """`torch.utils.swap_tensors` on a protected tensor: report it like `set_` (if it swapped)."""
@@ -279,11 +354,15 @@ class WriteJudge:
 
     def _event(self, func: Any, kind: str, entry: Entry, site: _frames.Site, blocked: bool,
                before_meta: Optional[str] = None, copy: Optional[_Copy] = None,
-               alias: Optional[tuple[int, int]] = None, unversioned: bool = False) -> MutationEvent:
+               alias: Optional[tuple[int, int]] = None, unversioned: bool = False,
+               shared: tuple[str, ...] = (), note: Optional[tuple[str, str]] = None,
+               read_when: str = "") -> MutationEvent:
         """The event for one protected entry; its summaries never raise (see `diff`).
 
         `alias`: (elements changed, elements named) of a write into an entry whose elements
-        share memory (kind "alias")."""
+        share memory (kind "alias"). `shared`: the other paths to the memory written. `note`:
+        (kind, why) of a finding of this module's own (`reduced_twice`, `self_overlap`).
+        `read_when`: a collective's values read with no `wait()` seen (where)."""
         tensor = self.protected.tensor_of(entry)
         described = _describe(tensor)
         if _torch.capturing():
@@ -296,10 +375,10 @@ class WriteJudge:
         elif kind == "version":
             before = after = _values(tensor)
             diff = "no saved element changed"
-        elif kind in ("write", "alias") and _is_meta(tensor):
+        elif kind in _VALUE_KINDS and _is_meta(tensor):
             before = after = META_VALUES
             diff = META_DIFF
-        elif kind in ("write", "alias"):
+        elif kind in _VALUE_KINDS:
             # Show the values where this write starts changing them, not just the first few.
             values, ranges = copy if copy is not None else (None, None)
             if tensor is None:
@@ -317,13 +396,17 @@ class WriteJudge:
                 "the tensor now refers to other memory (its values are no longer the guarded ones)")
         if alias is not None:
             changed, named = alias
-            shared = ALIAS_DIFF.format(changed=changed, named=named, s="" if named == 1 else "s")
-            diff = shared if blocked else f"{shared}; {diff}"
+            shared_text = ALIAS_DIFF.format(changed=changed, named=named, s="" if named == 1 else "s")
+            diff = shared_text if blocked else f"{shared_text}; {diff}"
+        if note is not None:
+            diff = note[1] if blocked else f"{note[1]}; {diff}"
+        if read_when and not blocked:
+            diff = f"{diff}; {PENDING_AT.format(when=read_when)}"
         event = MutationEvent(
             path=entry.path, op=_torch.short_op_name(func), kind=kind, blocked=blocked,
             filename=site.filename, lineno=site.lineno, code=site.code, function=site.function,
             placed_at=entry.placed_at, tensor=described, before=before, after=after, diff=diff,
-            aliases=tuple(entry.aliases), detached=entry.detached,
+            aliases=shared or tuple(entry.aliases), detached=entry.detached,
             hint=hint(func, site.code, isinstance(self.protected, ModuleSet)) if blocked else "",
             unversioned=unversioned,
         )
@@ -411,10 +494,62 @@ def _unversioned(hit: list[Entry], tensors: dict[int, Optional[torch.Tensor]], w
 
 
 def _kind(facts: _torch.OpFacts, entry: Entry, counter_only: frozenset[int],
-          aliased: dict[int, tuple[int, int]]) -> str:
+          aliased: dict[int, tuple[int, int]], notes: Optional[dict[int, tuple[str, str]]] = None) -> str:
     if id(entry) in counter_only:
         return "version"
+    note = (notes or {}).get(id(entry))
+    if note is not None:
+        return note[0]
     return "alias" if id(entry) in aliased else facts.kind
+
+
+_VALUE_KINDS = ("write", "alias", REDUCED_TWICE, SELF_OVERLAP)  # kinds whose events compare values
+
+
+def _placed(t: torch.Tensor) -> str:
+    """`f32[4, 63] at element 1 of its storage`: where a tensor lies, for a self-overlap's report."""
+    try:
+        return f"{_diff.describe(t)} at element {t.storage_offset()} of its storage (strides {tuple(t.stride())})"
+    except Exception:  # noqa: BLE001
+        return "a tensor"
+
+
+class _Collective:
+    """An asynchronous collective's write to protected memory, reported once it has completed."""
+
+    __slots__ = ("judge", "storages", "report")
+
+    def __init__(self, judge: WriteJudge, storages: frozenset[int], report: Callable[[str], None]) -> None:
+        self.judge, self.storages, self.report = judge, storages, report
+
+
+_collectives: list[_Collective] = []
+_collectives_lock = threading.Lock()
+_unhook_wait: list[Callable[[], None]] = []  # the `Work.wait()` listener's undo, while one is installed
+
+
+def _defer(judge: WriteJudge, written: Sequence[torch.Tensor], report: Callable[[str], None]) -> None:
+    with _collectives_lock:
+        _collectives.append(_Collective(judge, frozenset(_storage_address(t) for t in written), report))
+        if not _unhook_wait:
+            _unhook_wait.append(_torch.on_work_wait(_on_wait))
+
+
+def _take(which: Callable[[_Collective], bool]) -> list[_Collective]:
+    with _collectives_lock:
+        taken = [p for p in _collectives if which(p)]
+        _collectives[:] = [p for p in _collectives if not which(p)]
+        if not _collectives and _unhook_wait:
+            _unhook_wait.pop()()
+    return taken
+
+
+def _on_wait(outputs: Optional[list[torch.Tensor]]) -> None:
+    """A collective completed (its `wait()` returned): report the writes it made to protected memory
+    (those into the storages it wrote; every pending one where the backend does not say which)."""
+    done = None if outputs is None else {_storage_address(t) for t in outputs}
+    for pending in _take(lambda p: done is None or bool(p.storages & done)):
+        pending.report("")
 
 
 def _aliased(hit: list[Entry], tensors: dict[int, Optional[torch.Tensor]],

@@ -273,7 +273,8 @@ def _judged(name: str, facts: Any, is_copy: bool, keyset: Any, args: tuple[Any, 
         if callback is not None:
             written = _torch.written_tensors(facts, args, kwargs)
             if any(map(_candidate, written)) and not (is_copy and is_self_copy(args)):
-                after = callback(name, tuple(written))
+                read = _torch.shared_reads(facts, args, kwargs, written)  # as the compiled hook passes them
+                after = callback(name, tuple(written), read) if read else callback(name, tuple(written))
         if after is None:
             return call(keyset, args, kwargs)
         try:

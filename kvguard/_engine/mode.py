@@ -45,7 +45,8 @@ class MutationGuardMode(TorchDispatchMode):
         else:
             written = _torch.written_tensors(facts, args, kwargs)
         # Modes below this one see the op next: asked only if this guard stops it.
-        pending = judge_all((self.judge,), func, facts, written, args, more=thread_judges)
+        pending = judge_all((self.judge,), func, facts, written, args, more=thread_judges,
+                            read=lambda: _torch.shared_reads(facts, args, kwargs, written))
         if not pending:
             return func(*args, **kwargs)
         after = pending[0]

@@ -286,6 +286,8 @@ class Guard:
         """Boundary findings as events: values or memory that changed with no op reporting it."""
         from kvguard._engine.judge import boundary_event
 
+        if self._judge is not None:  # collectives whose wait() was not seen: their values as of now
+            self._judge.settle_collectives("at the guard's boundary check (its exit, g.check() or a pause)")
         events = []
         for change in self._protected.boundary_changes(sys._getframe(1), rescan):
             site = site or self.exit_site or _frames.user_site()
@@ -300,9 +302,11 @@ class Guard:
         A write through shared elements (`kind="alias"`) is intended only inside a
         `kvguard.allow` block or a well-known intended writer (gradcheck perturbs an input
         whose `expand` was saved, and restores it): an allowed path or a user's scope names
-        the elements a user meant to write, not the ones an `expand` made share them."""
+        the elements a user meant to write, not the ones an `expand` made share them. So is a
+        reduction reaching memory held under two paths a second time (`reduced_twice`) and an op
+        reading memory it writes elsewhere (`self_overlap`): the write is meant, how it lands is not."""
         reached = functools.partial(self._tensors_at, event.path)  # asked only of a writer found running
-        if event.kind == "alias":
+        if event.kind in ("alias", "reduced_twice", "self_overlap"):
             allowed = self.allow.block_reason() or self.allow.intended_reason(reached)
         else:
             allowed = self.allow.reason(event.path, reached)

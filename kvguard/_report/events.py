@@ -9,6 +9,9 @@ from typing import Any, Optional
 
 from kvguard._text import plural
 
+REDUCED_TWICE = "reduced_twice"  # the event kinds named here (kvguard._engine.judge finds them)
+SELF_OVERLAP = "self_overlap"
+
 @dataclasses.dataclass(frozen=True)
 class MutationEvent:
     """One in-place write to a protected tensor, as plain text and numbers.
@@ -17,8 +20,12 @@ class MutationEvent:
 
         ev.path       "rollout_data['kl'][0]"
         ev.op         "aten.mul_.Tensor"
-        ev.kind       "write" | "metadata" | "repoint" | "unobserved" | "version"
-                      ("version": a tensor autograd saved, whose version counter alone the write bumps)
+        ev.kind       "write" | "metadata" | "repoint" | "unobserved" | "version" | "alias"
+                      | "reduced_twice" | "self_overlap"
+                      ("version": a tensor autograd saved, whose version counter alone the write bumps;
+                      "reduced_twice": a reduction reaching memory held under several paths a second time
+                      at one line in one guarded call; "self_overlap": an op reading elements of the
+                      memory it writes, shifted: `x[:, 1:].copy_(x[:, :-1])`)
         ev.filename   "/src/loss.py";  ev.lineno 212;  ev.code "k *= kl_coef"
         ev.placed_at  "loss.py:201" (None when the tensor was there before the guard began)
     """
@@ -36,7 +43,7 @@ class MutationEvent:
     before: str
     after: Optional[str]
     diff: str
-    aliases: tuple[str, ...] = ()  # other paths to the same tensor
+    aliases: tuple[str, ...] = ()  # other paths to the same memory (the same tensor, or others the write reached)
     detached: bool = False  # removed from (or replaced in) the guarded object before the write
     # The fix, for a write stopped before it ran (empty: the general one, `HINT`); for any write made by a
     # well-known intended writer whose library version is outside the range it was read in, who wrote it
@@ -71,8 +78,14 @@ class MutationEvent:
             "metadata": "reshaped in place (metadata only)",
             "repoint": "re-pointed to other memory",
             "alias": "modified in place through elements that share memory",
+            REDUCED_TWICE: "reduced in place a second time",
         }.get(self.kind, "modified in place")
-        return f"{self.path} {verb} {what} by {self.op} at {self.site}"
+        path = self.path
+        if self.aliases:  # one memory under several paths: said in the first line, whatever the action
+            path += f" (the same memory as {', '.join(self.aliases)})"
+        if self.kind == SELF_OVERLAP:
+            return f"{path} {verb} modified in place by {self.op}, which reads memory it writes, at {self.site}"
+        return f"{path} {verb} {what} by {self.op} at {self.site}"
 
     def __str__(self) -> str:
         return self.headline()
@@ -139,12 +152,13 @@ def event_details(ev: MutationEvent) -> list[tuple[str, str]]:
         rows.append(("backward", SAVED_COUNTER if ev.kind == "version" else
                      SAVED_DATA if ev.op == "Tensor.data assignment" else
                      SAVED_UNVERSIONED if ev.unversioned else SAVED_WRITE))
-    if ev.blocked and ev.kind == "alias":
-        rows.append(("shared", ev.diff))
+    if ev.blocked and ev.kind in ("alias", REDUCED_TWICE, SELF_OVERLAP):
+        rows.append(("shared" if ev.kind == "alias" else "reduced" if ev.kind == REDUCED_TWICE else "overlap",
+                     ev.diff))
     if ev.blocked:
         rows += [("values", ev.before), ("action", "raised before the write; the data is intact"),
                  ("hint", ev.hint or HINT)]
-    elif ev.kind in ("write", "version", "alias"):
+    elif ev.kind in ("write", "version", "alias", REDUCED_TWICE, SELF_OVERLAP):
         rows += [("before", ev.before), ("after", ev.after or ""), ("changed", ev.diff)]
     else:
         rows += [("before", ev.before), ("after", ev.after or ""), ("note", ev.diff)]

@@ -9,6 +9,7 @@ from kvguard._report.tally import SiteKey, Tally, TargetStats
 from kvguard._text import say
 
 Listener = Callable[[Any, Any], None]  # (MutationEvent, Guard)
+_OWN_PANEL = ("reduced_twice", "self_overlap")  # event kinds shown in a panel even after a write at their site
 
 
 class ProcessReport:
@@ -32,7 +33,9 @@ class ProcessReport:
 
     def first_sighting(self, event: Any) -> bool:
         """Whether this is the first write at its site to be shown (a panel, a warning)."""
-        key = (event.filename, event.lineno, event.op)
+        # A finding of its own kind at a site (a reduction reaching shared memory twice) is shown too.
+        op = event.op if event.kind not in _OWN_PANEL else f"{event.op} {event.kind}"
+        key = (event.filename, event.lineno, op)
         if key in self.shown:
             return False
         self.shown.add(key)

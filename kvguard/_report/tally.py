@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from kvguard._report.events import MutationEvent
 
 SiteKey = tuple[str, int, str]  # (filename, lineno, op)
+# Event kinds a site's exit line counts by name (the others are its writes): how each is said.
+SAID_KINDS = {"reduced_twice": "reduced twice (memory held under several paths, reached again at this line)",
+              "self_overlap": "reading memory it writes (source and destination overlap)"}
 MAX_SITE_LINES = 20  # exit lines; report files keep every site
 
 
@@ -69,10 +72,16 @@ class SiteStats:
         self.writes = 0
         self.blocked = 0
         self.paths: dict[str, int] = {}
+        self.shared: dict[str, None] = {}  # other paths to the memory written, as the events named them
+        self.kinds: dict[str, int] = {}  # writes of the kinds an exit line names (`SAID_KINDS`)
 
     def add(self, event: MutationEvent, call: int, moment: Optional[int] = None) -> None:
         self.writes += 1
         self.blocked += event.blocked
+        for path in event.aliases:
+            self.shared.setdefault(collapse(path))
+        if event.kind in SAID_KINDS:
+            self.kinds[event.kind] = self.kinds.get(event.kind, 0) + 1
         key = collapse(event.path)
         self.paths[key] = self.paths.get(key, 0) + 1
         if call != self.last_call:  # calls run one after another; nested guards may count twice
@@ -95,21 +104,32 @@ class SiteStats:
                                                f" ({self.blocked:,} blocked)" if self.blocked else "")
         head = f"{self.first.site} {self.first.op}: {what} to {paths}"
         moment = self.first_moment
+        more = self._more()
         if label == AUTOGRAD_LABEL:
             return head + (f" in {plural(self.moments, 'forward pass', 'forward passes')} "
-                           f"(first: {self.first.path}, forward pass {moment})" if moment else
-                           f" (first: {self.first.path})")
+                           f"(first: {self.first.path}, forward pass {moment}{more})" if moment else
+                           f" (first: {self.first.path}{more})")
         if label == WEIGHTS_LABEL:
             when = "" if moment is None else (", before the first optimizer step" if moment == 0 else
                                               f", after optimizer step {moment}")
-            return head + f" (first: {self.first.path}{when})"
-        return head + f" in {plural(self.calls, 'call')} (first: {self.first.path}, call {self.first_call})"
+            return head + f" (first: {self.first.path}{when}{more})"
+        return head + f" in {plural(self.calls, 'call')} (first: {self.first.path}, call {self.first_call}{more})"
+
+    def _more(self) -> str:
+        """`; the same memory as m['acc_copy']; 2 reduced twice`: what the exit line adds to a site's first write."""
+        text = ""
+        if self.shared:
+            text += "; the same memory as " + ", ".join(list(self.shared)[:3]) + (
+                f" (+{len(self.shared) - 3})" if len(self.shared) > 3 else "")
+        for kind, count in self.kinds.items():
+            text += f"; {count:,} {SAID_KINDS[kind]}"
+        return text
 
     def as_record(self) -> dict[str, Any]:
         ev = self.first
         return {"filename": ev.filename, "lineno": ev.lineno, "op": ev.op, "kind": ev.kind, "code": ev.code,
                 "function": ev.function, "paths": dict(self.paths), "writes": self.writes, "blocked": self.blocked,
-                "calls": self.calls,
+                "calls": self.calls, "shared": list(self.shared), "kinds": dict(self.kinds),
                 "first": {"path": ev.path, "call": self.first_call, "placed_at": ev.placed_at, "tensor": ev.tensor,
                           "before": ev.before, "after": ev.after, "diff": ev.diff}}
 

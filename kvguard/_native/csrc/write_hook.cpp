@@ -410,6 +410,17 @@ bool is_self_copy(const at::Tensor& dst, const at::Tensor& src) {
   }
 }
 
+// Whether `a` and `b` are views of one storage (an argument an op reads that may overlap
+// what it writes).
+bool shares_storage(const at::Tensor& a, const at::Tensor& b) {
+  try {
+    return a.defined() && b.defined() && a.has_storage() && b.has_storage() &&
+        a.storage().is_alias_of(b.storage());
+  } catch (...) {
+    return false;
+  }
+}
+
 // ---- the kernel --------------------------------------------------------------------------
 
 // An argument the op writes; `when` >= 0: only on calls where that bool argument is true.
@@ -542,6 +553,24 @@ struct HookKernel final : public c10::OperatorKernel {
       if (g_callback != nullptr) {
         std::vector<at::Tensor> tensors;
         for_each_written(*stack, base, [&](const at::Tensor& t) { tensors.push_back(t); });
+        // The arguments it only reads that share a storage with what it writes (a shifted
+        // `copy_` from its own view): the judge decides whether their elements overlap.
+        // Passed as a third argument only when there are any.
+        std::vector<at::Tensor> read;
+        for (size_t i = 0; i < num_args; ++i) {
+          bool writes_it = false;
+          for (const WrittenArg& arg : written) writes_it = writes_it || arg.index == i;
+          if (writes_it) continue;
+          auto collect = [&](const at::Tensor& r) {  // `torch.add(x, 1, out=x)` reads x where it writes it: none
+            bool shares = false;
+            for (const at::Tensor& w : tensors) {
+              if (is_self_copy(w, r)) return;
+              shares = shares || shares_storage(r, w);
+            }
+            if (shares) read.push_back(r);
+          };
+          for_each_tensor((*stack)[base + i], collect);
+        }
         Py_INCREF(g_callback);
         PyRef callback{g_callback};  // owned refs, released before the GIL (declared after it)
         PyRef py_name{PyUnicode_FromStringAndSize(name.data(), (Py_ssize_t)name.size())};
@@ -555,9 +584,19 @@ struct HookKernel final : public c10::OperatorKernel {
             PyTuple_SET_ITEM(py_tensors.p, (Py_ssize_t)i, w);
           }
         }
-        PyObject* result = ok
-            ? PyObject_CallFunctionObjArgs(callback.p, py_name.p, py_tensors.p, nullptr)
-            : nullptr;
+        PyRef py_read{read.empty() ? nullptr : PyTuple_New((Py_ssize_t)read.size())};
+        ok = ok && (read.empty() || py_read.p != nullptr);
+        for (size_t i = 0; ok && i < read.size(); ++i) {
+          PyObject* r = THPVariable_Wrap(read[i]);
+          if (r == nullptr) {
+            ok = false;
+          } else {
+            PyTuple_SET_ITEM(py_read.p, (Py_ssize_t)i, r);
+          }
+        }
+        PyObject* result = !ok ? nullptr
+            : read.empty() ? PyObject_CallFunctionObjArgs(callback.p, py_name.p, py_tensors.p, nullptr)
+                           : PyObject_CallFunctionObjArgs(callback.p, py_name.p, py_tensors.p, py_read.p, nullptr);
         if (result == nullptr) throw_python_error();
         if (result == Py_None) {
           Py_DECREF(result);
