@@ -118,6 +118,25 @@ def test_self_overlap_is_reported_where_the_path_is_allowed(engine: str) -> None
     assert sum(g.report.allowed.values()) == 1
 
 
+def test_a_collective_never_waited_for_is_reported_at_the_boundary(tmp_path: Any, engine: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        t = torch.full((2,), 3.0)
+        with kvguard.guard({"t": t}, name="rd", action="record") as g:
+            work = dist.all_reduce(t, async_op=True)
+            assert g.report.events == []  # pending: not reported before it completes
+            g.check()
+        (event,) = g.report.events
+        assert (event.path, event.kind, event.op) == ("rd['t']", "write", "c10d.allreduce_.default")
+        assert "with no wait() of the collective seen before" in event.diff
+        work.wait()
+        assert len(g.report.events) == 1  # reported once
+    finally:
+        dist.destroy_process_group()
+
+
 TWO_RANKS = """
 import json, os, sys, warnings, torch, torch.distributed as dist, kvguard
 

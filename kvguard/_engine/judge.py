@@ -47,7 +47,6 @@ TWICE_DIFF = ("{op} reached this memory a second time at this line in this guard
 OVERLAP_DIFF = ("the op reads {read} while writing {written} in the same memory, shifted: it reads elements it "
                 "also writes, so what it reads depends on the order its kernel writes in (read from a copy: "
                 "src.clone())")
-PENDING_VALUES = "pending (the collective had not completed when its op returned)"
 PENDING_AT = ("read {when}, with no wait() of the collective seen before: it may still have been pending then")
 # In-place ops that combine a tensor's values with others' (a collective's reduction, an accumulation):
 # applied twice to one memory, the result is wrong (summed twice), unlike an overwrite done twice.
