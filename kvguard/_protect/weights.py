@@ -144,7 +144,7 @@ class ModuleSet(ProtectedSet):
         self._released.append(holder)
         self._dirty = True
 
-    def _let_go(self) -> None:
+    def _drop_released_holders(self) -> None:
         released = set(self._released)
         del self._released[: len(released)]
         for roots in (self._roots, self._loose):
@@ -193,7 +193,7 @@ class ModuleSet(ProtectedSet):
     def look(self) -> None:
         if self._released:
             with collector_paused():
-                self._let_go()
+                self._drop_released_holders()
         elif self._dirty:
             self._forget_dead()
 
