@@ -220,13 +220,16 @@ def writing(writers: Iterable[Writer], frame: Optional[types.FrameType], reached
         return None
     tensors: Optional[Sequence[Any]] = None
     while frame is not None:
-        code = frame.f_code
         module = frame.f_globals.get("__name__")
         if isinstance(module, str):
-            qualname = getattr(code, "co_qualname", code.co_name)
+            qualname = None  # found once a pattern's module matches: on Python 3.10 that reads the frame
             for writer, patterns in compiled:
                 for module_re, qualname_re, names in patterns:
-                    if not (module_re.match(module) and qualname_re.match(qualname)):
+                    if not module_re.match(module):
+                        continue
+                    if qualname is None:
+                        qualname = code_qualname(frame)
+                    if not qualname_re.match(qualname):
                         continue
                     if names is not None:
                         if tensors is None:
@@ -377,3 +380,36 @@ def describe(width: int = 100) -> str:
              "module's parameters and buffers; a|b: the first of these it has). allow=, KVGUARD_ALLOW and "
              "kvguard.allow() add your own.")
     return "\n".join(textwrap.wrap(intro, width)) + "\n\n" + "\n\n".join(blocks)
+
+
+def code_qualname(frame: types.FrameType) -> str:
+    """The qualified name of the function `frame` runs (`Linear.reset_parameters`), as patterns name it.
+
+    `co_qualname` from Python 3.11. On 3.10 code objects carry the bare name only: a method's
+    class is the one in the MRO of its first argument (`self`, `cls`) whose attribute of that
+    name runs this code (through `staticmethod`, `classmethod` and `functools.wraps`
+    decorators); a module's function is its global of that name; else the bare name.
+    """
+    code = frame.f_code
+    qualname = getattr(code, "co_qualname", None)
+    if isinstance(qualname, str):
+        return qualname
+    name = code.co_name
+    if code.co_argcount:
+        first = frame.f_locals.get(code.co_varnames[0])
+        for klass in (first if isinstance(first, type) else type(first)).__mro__:
+            if _runs(klass.__dict__.get(name), code):
+                return f"{klass.__qualname__}.{name}"
+    found: Any = frame.f_globals.get(name)
+    return str(found.__qualname__) if _runs(found, code) else name
+
+
+def _runs(value: Any, code: types.CodeType) -> bool:
+    value = getattr(value, "__func__", value)  # a staticmethod or classmethod
+    for _ in range(8):  # a decorated function: the function it wraps runs
+        if value is None:
+            return False
+        if getattr(value, "__code__", None) is code:
+            return True
+        value = getattr(value, "__wrapped__", None)
+    return False

@@ -47,7 +47,7 @@ def _has(value: Any, module: str, qualname: str, names: set[str]) -> bool:
     code = getattr(value, "__code__", None)
     if code is None or getattr(value, "__module__", None) != module:
         return False
-    if not fnmatch.fnmatchcase(code.co_qualname, qualname):
+    if not fnmatch.fnmatchcase(getattr(value, "__qualname__", code.co_name), qualname):  # co_qualname: 3.11+
         return False
     arguments = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
     return not names or bool(names & set(arguments))

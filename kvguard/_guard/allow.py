@@ -152,8 +152,7 @@ class Allowlist:
 def _running(module: str, qualname: str, frame: Optional[types.FrameType]) -> bool:
     """Whether `module:qualname` is on the stack from `frame` up."""
     while frame is not None:
-        code = frame.f_code
-        if getattr(code, "co_qualname", code.co_name) == qualname and frame.f_globals.get("__name__") == module:
+        if frame.f_globals.get("__name__") == module and _intended.code_qualname(frame) == qualname:
             return True
         frame = frame.f_back
     return False
