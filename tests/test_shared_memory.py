@@ -59,6 +59,23 @@ def test_a_loop_over_distinct_memory_is_no_reduced_twice(engine: str) -> None:
     assert all(not e.aliases for e in g.report.events)
 
 
+def test_a_repeated_update_of_memory_with_a_view_elsewhere_is_no_reduced_twice(engine: str) -> None:
+    s = torch.arange(16.0).reshape(4, 4)
+    state = {"s": s, "top": torch.split(s, 2)[0]}  # two tensors, one memory: not one tensor twice
+    with kvguard.guard(state, name="state", action="record", allow=["state['s']", "state['top']"]) as g:
+        for _ in range(3):
+            s.mul_(0.5)  # a decay applied three times, at one line
+    assert g.report.events == []  # allowed, and no reduction reached the memory through a second path
+
+
+def test_batch_norm_writing_two_statistics_names_no_shared_memory(engine: str) -> None:
+    bn = torch.nn.BatchNorm1d(3)
+    with kvguard.guard({"rm": bn.running_mean, "rv": bn.running_var}, name="stats", action="record") as g:
+        bn(torch.randn(8, 3))
+    assert [(e.path, e.kind, e.aliases) for e in g.report.events] == [
+        ("stats['rm']", "write", ()), ("stats['rv']", "write", ())]
+
+
 def test_two_tensors_of_one_memory_name_each_other(engine: str) -> None:
     t = torch.zeros(2, 3)
     data = {"acc": t, "flat": t.view(6)}

@@ -152,8 +152,7 @@ class WriteJudge:
         # What autograd saved matters only through the values backward reads: a re-pointing to
         # the same values (a memory-format conversion) changes nothing it computes.
         self._values_only = isinstance(protected, SavedSet)
-        # (file, line, op, entry) of each reducing write to memory held under several paths, in this guard
-        self._reached: set[tuple[str, int, str, int]] = set()
+        self._reached: dict[tuple[str, int, str, int], int] = {}  # reducing op at a line on an entry: times
 
     def begin(self, func: Any, facts: _torch.OpFacts, written: Sequence[torch.Tensor],
               args: Sequence[Any] = (), stop: bool = True, read: Any = ()) -> Optional[PendingWrite]:
@@ -183,9 +182,9 @@ class WriteJudge:
         tensors = {id(e): protected.tensor_of(e) for e in hit} if facts.kind == "write" else {}
         aliased = _aliased(hit, tensors, written) if facts.kind == "write" else {}
         unversioned = _unversioned(hit, tensors, written, counter_only) if self._values_only and tensors else set()
-        # Other paths to this memory: the entry's own (the same tensor), and the other entries this write reaches.
-        shared = {id(e): tuple(e.aliases) + tuple(o.path for o in hit if o is not e and o.path not in e.aliases)
-                  for e in hit}
+        # Other paths to this memory: the entry's own (the same tensor), and the other entries this write
+        # reaches in the same memory (not those it writes beside it: batch norm's mean and variance).
+        shared = _sharing(hit, protected)
         notes: dict[int, tuple[str, str]] = {}  # by entry: its kind, when the write's own, and why
         if facts.kind == "write":
             read = read() if callable(read) else read
@@ -260,22 +259,27 @@ class WriteJudge:
 
     def _reduced_twice(self, func: Any, site: _frames.Site, hit: list[Entry],
                        shared: dict[int, tuple[str, ...]]) -> dict[int, tuple[str, str]]:
-        """The entries held under several paths that this reducing op (an all_reduce, an `add_`) at this
-        line reaches a second time in this guard: a loop over a container holding one memory twice."""
+        """The entries whose tensor the container holds under several paths that this reducing op (an
+        all_reduce, an `add_`) at this line reaches again in this guard, once per further path: a loop
+        over the container's values meets that one tensor once per path holding it.
+
+        Only the same tensor under several paths (`m['acc_copy'] = m['acc']`): a loop over values
+        never reaches a view of another entry (`S` and its split) twice through one line, while a
+        plain repeated update of it (`for _ in range(k): s.mul_(g)`) does, and is no such bug."""
         schema = getattr(func, "_schema", None)
         name = schema.name.rpartition("::")[2] if schema is not None else ""
         if name not in _REDUCING:
             return {}
         found = {}
         for entry in hit:
-            if not shared[id(entry)]:
+            if not entry.aliases:
                 continue
             key = (site.filename, site.lineno, name, id(entry))
-            if key in self._reached:
-                paths = (entry.path,) + shared[id(entry)]
+            reached = self._reached[key] = self._reached.get(key, 0) + 1
+            paths = (entry.path,) + shared[id(entry)]
+            if 2 <= reached <= 1 + len(entry.aliases):
                 found[id(entry)] = (REDUCED_TWICE, TWICE_DIFF.format(op=_torch.short_op_name(func), n=len(paths),
                                                                      paths=", ".join(paths)))
-            self._reached.add(key)
         return found
 
     def settle_collectives(self, when: str) -> None:
@@ -420,6 +424,30 @@ OPTIMIZER_HINT = ("this write is an optimizer's step(): pass the optimizer, kvgu
 GENERAL_HINT = "write to a new tensor or clone first (k = k.clone())"
 WEIGHTS_HINT = ("the weights change outside an optimizer's step() here; if that is meant (a weight sync, an EMA, "
                 "a re-initialisation), say so with kvguard.allow('why') around it")
+
+
+def _sharing(hit: list[Entry], protected: ProtectedSet) -> dict[int, tuple[str, ...]]:
+    """Entry -> the other paths to its memory: its own aliases (the same tensor under another path),
+    then the other entries hit whose elements overlap its own."""
+    if len(hit) < 2:
+        return {id(e): tuple(e.aliases) for e in hit}
+    tensors = {id(e): protected.tensor_of(e) for e in hit}
+    shared: dict[int, tuple[str, ...]] = {}
+    for entry in hit:
+        mine = tensors[id(entry)]
+        others = tuple(o.path for o in hit if o is not entry and o.path not in entry.aliases
+                       and _overlapping(mine, tensors[id(o)]))
+        shared[id(entry)] = tuple(entry.aliases) + others
+    return shared
+
+
+def _overlapping(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    if a is None or b is None:
+        return False
+    try:
+        return a is b or _torch.elements_overlap(a, b)
+    except Exception:  # noqa: BLE001 - a layout it cannot read: not named as shared
+        return False
 
 
 def hint(func: Any, code: str = "", weights: bool = False) -> str:
