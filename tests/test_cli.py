@@ -42,10 +42,17 @@ def _venv_with_test_deps(home: Path) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def plain_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    python, site = _venv_with_test_deps(tmp_path_factory.mktemp("plain-venv"))
+    home = tmp_path_factory.mktemp("plain-venv")
+    python, site = _venv_with_test_deps(home)
     # That path also holds kvguard's own metadata, whose rank-tag entry point names
     # kvguard_megatron: make it importable as the editable install does.
     (site / "kvguard_megatron").symlink_to(ROOT / "integrations" / "megatron")
+    # Its processes use the default cache (`run` passes no KVGUARD_CACHE_DIR): the compiled hook is
+    # built there first, or the first test to start a guard prints the build's two lines (a fresh
+    # torch, Python or hook source), whichever test that is.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGUARD", "PYTHON"))}
+    subprocess.run([str(python), "-m", "kvguard", "build"], env={**env, "PYTHONPATH": str(ROOT)}, cwd=home,
+                   capture_output=True, timeout=900)  # a build: 20-150 s on a busy 2-core box
     return python
 
 
