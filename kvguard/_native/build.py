@@ -40,7 +40,7 @@ MODULE_NAME = "kvguard._native.write_hook"
 SOURCE = Path(__file__).parent / "csrc" / "write_hook.cpp"  # the translation unit
 HEADERS = tuple(SOURCE.with_name(name) for name in ("describe.h", "python_api.h", "table.h"))  # it includes
 # Bump when the compile command below changes, so caches built the old way are not reused.
-# 2: the C++ standard is torch's own (C++20 from torch 2.10's wheels on), not always C++17.
+# 2: the C++ standard is torch's own (C++20 for torch 2.12.1 to 2.15.0's wheels, C++17 for 2.9.1's and 2.11.0's), not always C++17.
 _RECIPE = "2"
 _COMPILE_TIMEOUT_S = 900.0
 
