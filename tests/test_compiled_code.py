@@ -72,6 +72,45 @@ def test_an_inductor_graph_writing_a_guarded_dict_is_stopped_at_the_line_data_in
     assert torch.equal(d["kl"], before), "stopped before the compiled kernels ran"
 
 
+def _module_from(path: Any, text: str) -> Any:
+    import importlib.util
+
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_JOB = """
+import torch
+
+def shape(d):
+    k = d["kl"]
+    k *= 3.25{comment}
+    return k.sum()
+"""
+
+
+def test_a_cached_graph_from_another_file_is_reported_at_this_files_line(tmp_path: Any) -> None:
+    """An FX graph cache hit carries the comments of the first compile of an equal graph: here
+    another file, whose line numbers differ. The write is found in the running function."""
+    torch._dynamo.reset()
+    first = _module_from(tmp_path / "first_job.py", _JOB.format(comment=""))
+    torch.compile(first.shape)({"kl": torch.ones(5)})  # compiled and cached, with first_job.py's lines
+    torch._dynamo.reset()
+    second = _module_from(tmp_path / "second_job.py", "\n\n\n" + _JOB.format(comment="  # moved, commented"))
+    d = {"kl": torch.ones(5)}
+    with pytest.raises(kvguard.MutationError) as caught:
+        with kvguard.guard(d, action="raise"):
+            torch.compile(second.shape)(d)
+    event = caught.value.event
+    assert (os.path.basename(event.filename), event.lineno, event.code) == (
+        "second_job.py", 9, "k *= 3.25  # moved, commented")
+    assert torch.equal(d["kl"], torch.ones(5))
+
+
 def test_under_warn_the_compiled_write_is_reported_once_with_its_values() -> None:
     torch._dynamo.reset()
     d = {"kl": torch.arange(4.0)}

@@ -7,9 +7,9 @@ makes of an input mutation) before its kernels run: under "raise" the data stays
 otherwise the report's before → after is read around the call.
 
 The report's line is the write's, in the user's function: the post-grad graph's node
-comment above the write, used only where the source on disk still holds that code at that
-line (an FX graph cache hit carries the text of an earlier compile of an equal graph);
-otherwise the compiled call's line.
+comment above the write, used only where the source confirms it (an FX graph cache hit
+carries the text of an earlier compile of an equal graph: lines since moved, or another
+file's); otherwise the compiled call's line.
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def judge_graph(judges_of: JudgesOf, graph: Any, inputs: Sequence[Any]) -> Optio
 
 
 def write_sites(graph: Any) -> dict[int, _frames.Site]:
-    """Input position -> the source line of the graph's first write to it, where the artifact's
-    text names one that the source on disk confirms (cached on the artifact)."""
+    """Input position -> the site the graph's text names for its first write to it, as the text
+    says it (cached on the artifact; `_site` confirms it when a report needs it)."""
     sites = getattr(graph, _SITES, None)
     if sites is None:
         try:
@@ -96,11 +96,14 @@ def write_sites(graph: Any) -> dict[int, _frames.Site]:
 
 
 def _call_site() -> _frames.Site:
-    """The user's line that called the compiled code (not a line of the bytecode Dynamo wrote)."""
+    """The user's line that called the compiled code (not a line of the bytecode Dynamo wrote),
+    else the innermost user frame. Never `user_site()`: inside `located` that is this site."""
+    first = None
     for frame in _frames.user_frames(sys._getframe(1)):
         if not _torch.dynamo_generated(frame.f_code):
             return _frames.site_of(frame)
-    return _frames.user_site()
+        first = first or frame
+    return _frames.site_of(first)
 
 
 def _site(named: Optional[_frames.Site]) -> _frames.Site:
