@@ -1262,6 +1262,10 @@ HAND_MADE = [
     # full level; at the light level only a change after the next boundary is
     Program(_u("P1", late=("P2",), root="ns"), (Step("place", name="P2"), op_step(_t("P2"), "add_"),
                                                 Step("check"), op_step(_t("P2"), "add_"))),
+    # a late-placed row re-pointed with `.data =` at a numpy view of its own elements: the same bytes
+    # in the same layout, another storage object: nothing anyone reads changes (drawn on 2026-12-06)
+    Program(_u("S0", "Sn", late=("Su",)), (Step("place", name="Su"), op_step(_t("S0"), "mul_"),
+                                           Step("data", name="Su", partner="Sn"))),
     # the guarded object is the tensor itself
     Program(_u("S", root="tensor"), (Step("ctypes", _t("Su"), op="memset0", n=3), Step("check"),
                                      op_step(_t("Sr1"), "add_"))),
