@@ -86,8 +86,8 @@ def test_verl_6688_lora_views_of_a_reused_ipc_buffer_no_optimizer() -> None:
 def test_prime_rl_2482_aliased_buffer_over_reloaded_weights_no_optimizer() -> None:
     result = _shape("aliased_buffer")
     assert result.returncode == 1
-    assert "rollout_model.lora_A would be modified in place by aten.copy_.default at weights_inference_side.py:44" \
-        in result.stderr
+    assert ("rollout_model.lora_A (the same memory as rollout_model.packed_A) would be modified in place by "
+            "aten.copy_.default at weights_inference_side.py:44") in result.stderr
 
 
 def test_a_named_weight_sync_is_intended_and_a_write_between_syncs_is_not() -> None:
