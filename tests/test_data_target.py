@@ -235,7 +235,8 @@ WORKERS_JOB = textwrap.dedent("""\
                             multiprocessing_context=method)
         if held:  # an iterator still alive at exit, its workers mid-epoch
             it = iter(loader)
-            next(it)
+            next(it)  # worker 0's first batch
+            next(it)  # worker 1's: each worker has loaded before exit (one still starting says nothing)
         else:
             for epoch in range(2):
                 for batch in loader:
