@@ -61,7 +61,6 @@ print("RESULT" + json.dumps(out))
 
 _LOOP = r"""
 import json, resource, torch, warnings
-warnings.simplefilter("ignore")
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -69,28 +68,38 @@ cmodel = torch.compile(model)
 loss_fn = torch.compile(lambda out, y: torch.nn.functional.cross_entropy(out, y))
 step = torch.compile(lambda: opt.step())
 losses = []
-for i in range(3):
-    x = torch.randn(8, 16); y = torch.randint(0, 4, (8,))
-    loss = loss_fn(cmodel(x), y)
-    loss.backward()
-    step()
-    opt.zero_grad()
-    losses.append(loss.item())
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for i in range(3):
+        x = torch.randn(8, 16); y = torch.randint(0, 4, (8,))
+        loss = loss_fn(cmodel(x), y)
+        loss.backward()
+        step()
+        opt.zero_grad()
+        losses.append(loss.item())
 from torch._dynamo.utils import counters
 used = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
 print("RESULT" + json.dumps({"cpu_s": sum(u.ru_utime + u.ru_stime for u in used), "losses": losses,
       "frames": counters["frames"]["total"], "graph_breaks": sum(counters["graph_break"].values()),
-      "graphs": counters["stats"]["unique_graphs"]}))
+      "graphs": counters["stats"]["unique_graphs"],
+      "warnings": sorted({str(w.message)[:60] for w in caught if w.category is not DeprecationWarning})}))
 """
 
 
 def _run(code: str, args: list[str], env: dict[str, str]) -> dict:
+    """What the process printed after RESULT, and its stderr (kvguard's exit lines)."""
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=1800,
                           env={**os.environ, **env})
     if proc.returncode != 0:
         raise SystemExit(f"the benchmark process failed:\n{proc.stderr[-3000:]}")
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
-    return json.loads(line[len("RESULT"):])
+    return {**json.loads(line[len("RESULT"):]), "stderr": proc.stderr}
+
+
+def compiled_loop(env: dict[str, str]) -> dict:
+    """The compiled training loop in a fresh process with `env`: losses, Dynamo's counters,
+    warnings, CPU-seconds, stderr (tests/test_compiled_code.py compares two such runs)."""
+    return _run(_LOOP, [], env)
 
 
 def step(layers: int, rounds: int, calls: int) -> None:
@@ -109,7 +118,7 @@ def compile_time(rounds: int) -> None:
         for name, env in (("plain", {}), ("guarded", guarded_env)):
             with tempfile.TemporaryDirectory() as cache:
                 started = time.perf_counter()
-                found = _run(_LOOP, [], {"TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1", **env})
+                found = compiled_loop({"TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1", **env})
                 found["wall_s"] = time.perf_counter() - started
                 results[name].append(found)
     print(f"compile: a compiled model, loss and AdamW step, 3 steps, fresh process and inductor cache, {rounds} "

@@ -8,11 +8,9 @@ the graph's call is judged first, from the inputs its artifact says it mutates, 
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import warnings
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -238,44 +236,16 @@ def test_a_clean_compiled_job_is_silent_bitwise_equal_and_compiles_the_same_grap
     assert new_warnings == plain_warnings
 
 
-_LOOP = """
-import json, torch, warnings
-warnings.simplefilter("always")
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
-opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-cmodel = torch.compile(model)
-loss_fn = torch.compile(lambda out, y: torch.nn.functional.cross_entropy(out, y))
-step = torch.compile(lambda: opt.step())
-losses = []
-with warnings.catch_warnings(record=True) as caught:
-    for i in range(3):
-        x = torch.randn(8, 16); y = torch.randint(0, 4, (8,))
-        loss = loss_fn(cmodel(x), y)
-        loss.backward()
-        step()
-        opt.zero_grad()
-        losses.append(loss.item())
-from torch._dynamo.utils import counters
-print("RESULT" + json.dumps({"losses": losses, "frames": counters["frames"]["total"],
-      "graph_breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"],
-      "warnings": sorted({str(w.message)[:60] for w in caught if w.category is not DeprecationWarning})}))
-"""
-
-
 @pytest.mark.slow
 def test_env_targets_leave_a_compiled_training_loop_as_it_compiles_without_kvguard(tmp_path: Any) -> None:
-    def run(**env: str) -> dict[str, Any]:
-        proc = subprocess.run([sys.executable, "-c", _LOOP], capture_output=True, text=True, timeout=600,
-                              env={**os.environ, **env})
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
-        return {**json.loads(line[len("RESULT"):]), "stderr": proc.stderr}
-
-    plain = run()
-    guarded = run(KVGUARD="raise", KVGUARD_TARGETS="autograd,weights,data")
-    stderr = guarded.pop("stderr")
-    plain.pop("stderr")
-    assert guarded == plain
+    """The loop of benchmarks/bench_compiled.py, in fresh processes, without and with env targets."""
+    bench = _module_from(tmp_path / "bench_compiled.py",
+                         (Path(__file__).parent.parent / "benchmarks" / "bench_compiled.py").read_text())
+    plain = bench.compiled_loop({})
+    guarded = bench.compiled_loop({"KVGUARD": "raise", "KVGUARD_TARGETS": "autograd,weights,data"})
+    stderr = guarded["stderr"]
+    for run in (plain, guarded):
+        del run["stderr"], run["cpu_s"]
+    assert guarded == plain  # losses, frames, graph breaks, graphs and warnings
     assert "weights: 6 parameters and buffers watched over 3 optimizer steps, no in-place writes" in stderr
     assert "Dynamo does not know how to trace" not in stderr
