@@ -379,6 +379,20 @@ bool is_candidate(const at::Tensor& t, const Protected* protected_) {
   return (protected_->bulk && meets(*protected_->bulk, impl, lo, hi)) || meets(protected_->recent, impl, lo, hi);
 }
 
+// A new tuple of Python tensors for `tensors` (nullptr with a Python error set). With the GIL.
+PyObject* tensor_tuple(const std::vector<at::Tensor>& tensors) {
+  PyObject* tuple = PyTuple_New((Py_ssize_t)tensors.size());
+  for (size_t i = 0; tuple != nullptr && i < tensors.size(); ++i) {
+    PyObject* w = THPVariable_Wrap(tensors[i]);
+    if (w == nullptr) {
+      Py_CLEAR(tuple);
+    } else {
+      PyTuple_SET_ITEM(tuple, (Py_ssize_t)i, w);
+    }
+  }
+  return tuple;
+}
+
 template <class F>
 void for_each_tensor(const c10::IValue& v, F& f) {
   if (v.isTensor()) {
@@ -574,26 +588,9 @@ struct HookKernel final : public c10::OperatorKernel {
         Py_INCREF(g_callback);
         PyRef callback{g_callback};  // owned refs, released before the GIL (declared after it)
         PyRef py_name{PyUnicode_FromStringAndSize(name.data(), (Py_ssize_t)name.size())};
-        PyRef py_tensors{PyTuple_New((Py_ssize_t)tensors.size())};
-        bool ok = py_name.p != nullptr && py_tensors.p != nullptr;
-        for (size_t i = 0; ok && i < tensors.size(); ++i) {
-          PyObject* w = THPVariable_Wrap(tensors[i]);
-          if (w == nullptr) {
-            ok = false;
-          } else {
-            PyTuple_SET_ITEM(py_tensors.p, (Py_ssize_t)i, w);
-          }
-        }
-        PyRef py_read{read.empty() ? nullptr : PyTuple_New((Py_ssize_t)read.size())};
-        ok = ok && (read.empty() || py_read.p != nullptr);
-        for (size_t i = 0; ok && i < read.size(); ++i) {
-          PyObject* r = THPVariable_Wrap(read[i]);
-          if (r == nullptr) {
-            ok = false;
-          } else {
-            PyTuple_SET_ITEM(py_read.p, (Py_ssize_t)i, r);
-          }
-        }
+        PyRef py_tensors{tensor_tuple(tensors)};
+        PyRef py_read{read.empty() || py_tensors.p == nullptr ? nullptr : tensor_tuple(read)};
+        const bool ok = py_name.p != nullptr && py_tensors.p != nullptr && (read.empty() || py_read.p != nullptr);
         PyObject* result = !ok ? nullptr
             : read.empty() ? PyObject_CallFunctionObjArgs(callback.p, py_name.p, py_tensors.p, nullptr)
                            : PyObject_CallFunctionObjArgs(callback.p, py_name.p, py_tensors.p, py_read.p, nullptr);
