@@ -378,6 +378,26 @@ def train(args: list[str], guarded: bool, timeout: float = 300.0) -> tuple[int, 
     return done.returncode, output, json.loads(found[-1][len("result: "):]) if found else None
 
 
+def losses_match(args: list[str], plain: Optional[dict[str, Any]], guarded: Optional[dict[str, Any]]) -> tuple[bool, str]:
+    """Whether the guarded job's losses are the plain job's, bitwise; and, when not, why.
+
+    A mismatch is checked against a second plain run: if the plain job does not repeat itself
+    bitwise on this machine (seen once on a loaded CPU box), bitwise equality says nothing about
+    kvguard, and the losses are compared to a relative 1e-3 instead, with the detail saying so."""
+    if plain is None or guarded is None:
+        return False, "no result line"
+    if plain["losses"] == guarded["losses"]:
+        return True, ""
+    step = next(i for i, (a, b) in enumerate(zip(plain["losses"], guarded["losses"])) if a != b) \
+        if len(plain["losses"]) == len(guarded["losses"]) else -1
+    _, _, again = train(args, guarded=False)
+    if again is None or again["losses"] == plain["losses"]:
+        return False, f"losses differ from step {step}: {plain['losses'][step:step + 2]} vs {guarded['losses'][step:step + 2]}"
+    close = len(plain["losses"]) == len(guarded["losses"]) and all(
+        abs(a - b) <= 1e-3 * max(abs(a), 1e-6) for a, b in zip(plain["losses"], guarded["losses"]))
+    return close, f"two plain runs differ here (not repeatable on this machine); guarded within 1e-3: {close}"
+
+
 def exit_lines(output: str) -> str:
     return " | ".join(line for line in output.splitlines() if line.startswith("kvguard: ") and "building" not in line)
 
@@ -393,11 +413,12 @@ def training(rounds: int, clean: list[str]) -> None:
     for title, args in (CLEAN_JOBS[name] for name in clean):
         code, out, plain = train(args, guarded=False)
         gcode, gout, guarded = train(args, guarded=True)
+        same, why = losses_match(args, plain, guarded) if code == 0 and gcode == 0 else (False, "")
         check(f"clean job, {title}: nothing reported, losses bitwise equal",
-              code == 0 and gcode == 0 and plain is not None and guarded is not None
-              and plain["losses"] == guarded["losses"] and "no in-place writes" in gout and " write" not in
+              same and "no in-place writes" in gout and " write" not in
               exit_lines(gout).replace("no in-place writes", ""),
-              exit_lines(gout) if gcode == 0 else gout[-600:])
+              " | ".join(filter(None, [why, exit_lines(gout) if gcode == 0 else gout[-600:],
+                                       out[-600:] if code != 0 else ""])))
     for bug, marker, args in (("saved", "# BUG: saved-activation", []),
                               ("saved", "# BUG: saved-activation", ["--checkpoint"]),
                               ("weight", "# BUG: weight", [])):
@@ -449,9 +470,10 @@ def real_models(names: list[str], rounds: int) -> None:
         args = ["--model", name, "--optimizer", "fused", "--bf16", "--steps", "12"]
         code, out, plain = train(args, guarded=False)
         gcode, gout, guarded = train(args, guarded=True)
+        same, why = losses_match(args, plain, guarded) if gcode == 0 else (False, "")
         check(f"{name}: clean under autograd,weights, losses bitwise equal",
-              gcode == 0 and plain is not None and guarded is not None and plain["losses"] == guarded["losses"]
-              and "no in-place writes" in gout, exit_lines(gout) if gcode == 0 else gout[-600:])
+              same and "no in-place writes" in gout,
+              " | ".join(filter(None, [why, exit_lines(gout) if gcode == 0 else gout[-600:]])))
         step_ratio(f"transformers {name} (4 layers, d 256), AdamW fused, bf16", args, rounds)
 
 
