@@ -23,7 +23,8 @@ import inspect
 import itertools
 import os
 import types
-from typing import Any, Callable, Collection, Generator, Iterator, Optional, TypeVar
+from typing import (Any, AsyncGenerator, Callable, Collection, Coroutine, Final, Generator, Literal, Optional, Protocol,
+                    TypeVar)
 
 from kvguard._config import check_action, guard_defaults, parse_level
 from kvguard._errors import MutationError
@@ -32,15 +33,15 @@ from kvguard._protect import frames as _frames
 from kvguard._report import files as _reportfile
 from kvguard._text import did_you_mean, say
 
-F = TypeVar("F", bound=Callable[..., Any])
-MISSING: Any = object()  # the argument was not passed (left at its default), or the call cannot bind
+F = TypeVar("F", bound=Callable[..., object])
+MISSING: Final = object()  # the argument was not passed (left at its default), or the call cannot bind
 # The guard for one call: `start(value, arguments)` gets the argument's value (MISSING when
 # not passed) and the call's bound arguments; None runs the call unguarded.
-Start = Callable[[Any, dict[str, Any]], Optional[Guard]]
+Start = Callable[[object, dict[str, object]], Optional[Guard]]
 Finish = Callable[[Guard], None]  # after the guard of a call has exited
 
 
-def parameters(fn: Callable[..., Any], argname: str) -> inspect.Signature:
+def parameters(fn: Callable[..., object], argname: str) -> inspect.Signature:
     """`fn`'s signature; a `TypeError` naming its parameters when it has no `argname`."""
     signature = inspect.signature(fn)
     if argname not in signature.parameters:
@@ -61,7 +62,7 @@ def wrap(fn: F, argname: str, start: Start, who: str, finish: Optional[Finish] =
     except TypeError as exc:
         raise TypeError(f"{who}: {exc}") from None
 
-    def guard_for(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[Guard]:
+    def guard_for(args: tuple[object, ...], kwargs: dict[str, object]) -> Optional[Guard]:
         try:
             arguments = dict(signature.bind_partial(*args, **kwargs).arguments)
         except TypeError:  # the call itself reports the bad arguments
@@ -70,7 +71,7 @@ def wrap(fn: F, argname: str, start: Start, who: str, finish: Optional[Finish] =
 
     done = finish if finish is not None else _nothing
     if inspect.isasyncgenfunction(fn):
-        wrapper: Callable[..., Any] = _async_generator_wrapper(fn, guard_for, done)
+        wrapper: Callable[..., object] = _async_generator_wrapper(fn, guard_for, done)
     elif inspect.iscoroutinefunction(fn):
         wrapper = _coroutine_wrapper(fn, guard_for, done)
     elif inspect.isgeneratorfunction(fn):
@@ -83,7 +84,7 @@ def wrap(fn: F, argname: str, start: Start, who: str, finish: Optional[Finish] =
 
 
 def guarded(argname: str, *, name: Optional[str] = None, action: str = "raise",
-            keys: Optional[Collection[Any]] = None, ignore: Optional[Collection[Any]] = None,
+            keys: Optional[Collection[object]] = None, ignore: Optional[Collection[object]] = None,
             allow: Optional[Collection[str]] = None, report_dir: Optional[str | os.PathLike[str]] = None,
             level: Optional[str] = None, fingerprint: Optional[bool] = None) -> Callable[[F], F]:
     """Decorator: guard the argument `argname` on every call of the function.
@@ -107,7 +108,7 @@ def guarded(argname: str, *, name: Optional[str] = None, action: str = "raise",
     def decorate(fn: F) -> F:
         numbers = itertools.count(1)
 
-        def start(value: Any, arguments: dict[str, Any]) -> Optional[Guard]:
+        def start(value: object, arguments: dict[str, object]) -> Optional[Guard]:
             if value is MISSING:
                 return None  # left at its default: nothing of the caller's to protect
             if not _calls_selected(next(numbers), name or argname):
@@ -142,13 +143,13 @@ def _nothing(guard: Guard) -> None:
     pass
 
 
-GuardFor = Callable[[tuple[Any, ...], dict[str, Any]], Optional[Guard]]
+GuardFor = Callable[[tuple[object, ...], dict[str, object]], Optional[Guard]]
 
 
-def _plain_wrapper(fn: Callable[..., Any], guard_for: GuardFor, done: Finish, who: str) -> Callable[..., Any]:
+def _plain_wrapper(fn: Callable[..., object], guard_for: GuardFor, done: Finish, who: str) -> Callable[..., object]:
     said: list[str] = []
 
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def call(*args: object, **kwargs: object) -> object:
         g = guard_for(args, kwargs)
         if g is None:
             return fn(*args, **kwargs)
@@ -164,8 +165,8 @@ def _plain_wrapper(fn: Callable[..., Any], guard_for: GuardFor, done: Finish, wh
     return call
 
 
-def _run(g: Guard, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-         done: Finish) -> Generator[Any, Any, Any]:
+def _run(g: Guard, fn: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object],
+         done: Finish) -> Generator[object, object, object]:
     """Call `fn` under `g`; a generator or coroutine it returns keeps the guard (yielded, then driven)."""
     with _Running(g, done):
         result = fn(*args, **kwargs)
@@ -182,7 +183,7 @@ def _run(g: Guard, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
         return (yield from _drive(g, steps, result))
 
 
-def _steps_of(result: Any) -> Optional[Iterator[Any]]:
+def _steps_of(result: object) -> Optional[_Steps]:
     """What to step through to run `result` to its end, for a generator or coroutine; else None."""
     if inspect.isgenerator(result):
         return result
@@ -191,27 +192,28 @@ def _steps_of(result: Any) -> Optional[Iterator[Any]]:
     return None
 
 
-def _continued(runner: Generator[Any, Any, Any], result: Any) -> Any:
-    """An object of `result`'s kind that runs `result` through `runner` (so under its guard)."""
+def _continued(runner: Generator[object, object, object], result: Any) -> object:
+    """An object of `result`'s kind (a generator or a coroutine: named as it is) that runs `result`
+    through `runner` (so under its guard)."""
     continued: Any = _awaited(runner) if inspect.iscoroutine(result) else _yielded_from(runner)
     continued.__name__, continued.__qualname__ = result.__name__, result.__qualname__
     return continued
 
 
-def _yielded_from(runner: Generator[Any, Any, Any]) -> Generator[Any, Any, Any]:
+def _yielded_from(runner: Generator[object, object, object]) -> Generator[object, object, object]:
     return (yield from runner)
 
 
-async def _awaited(runner: Generator[Any, Any, Any]) -> Any:
+async def _awaited(runner: Generator[object, object, object]) -> object:
     return await _as_awaitable(runner)
 
 
 @types.coroutine
-def _as_awaitable(runner: Generator[Any, Any, Any]) -> Generator[Any, Any, Any]:
+def _as_awaitable(runner: Generator[object, object, object]) -> Generator[object, object, object]:
     return (yield from runner)
 
 
-def _said_unguarded(result: Any, fn: Callable[..., Any], who: str, said: list[str]) -> Any:
+def _said_unguarded(result: object, fn: Callable[..., object], who: str, said: list[str]) -> object:
     """`result`; once per function, a line when it is work that runs later, unguarded (a Task, an
     async generator): the guard covered only the call that made it."""
     if not said and (inspect.isasyncgen(result) or inspect.isawaitable(result)):
@@ -221,7 +223,7 @@ def _said_unguarded(result: Any, fn: Callable[..., Any], who: str, said: list[st
     return result
 
 
-def _kind(value: Any) -> str:
+def _kind(value: object) -> str:
     """`an asyncio.Task`: the type with its public module (`_asyncio` is where `asyncio.Task` lives)."""
     kind = type(value)
     module = kind.__module__.lstrip("_")
@@ -229,8 +231,9 @@ def _kind(value: Any) -> str:
     return f"an {name}" if name[:1].lower() in "aeiou" else f"a {name}"
 
 
-def _generator_wrapper(fn: Callable[..., Any], guard_for: GuardFor, done: Finish) -> Callable[..., Any]:
-    def call(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
+def _generator_wrapper(fn: Callable[..., Generator[object, object, object]], guard_for: GuardFor,
+                       done: Finish) -> Callable[..., object]:
+    def call(*args: object, **kwargs: object) -> Generator[object, object, object]:
         g = guard_for(args, kwargs)
         if g is None:
             return (yield from fn(*args, **kwargs))
@@ -240,8 +243,9 @@ def _generator_wrapper(fn: Callable[..., Any], guard_for: GuardFor, done: Finish
     return call
 
 
-def _coroutine_wrapper(fn: Callable[..., Any], guard_for: GuardFor, done: Finish) -> Callable[..., Any]:
-    async def call(*args: Any, **kwargs: Any) -> Any:
+def _coroutine_wrapper(fn: Callable[..., Coroutine[object, object, object]], guard_for: GuardFor,
+                       done: Finish) -> Callable[..., object]:
+    async def call(*args: object, **kwargs: object) -> object:
         g = guard_for(args, kwargs)
         body = fn(*args, **kwargs)
         steps = _steps_of(body)
@@ -252,11 +256,13 @@ def _coroutine_wrapper(fn: Callable[..., Any], guard_for: GuardFor, done: Finish
     return call
 
 
-def _async_generator_wrapper(fn: Callable[..., Any], guard_for: GuardFor, done: Finish) -> Callable[..., Any]:
-    async def call(*args: Any, **kwargs: Any) -> Any:
+def _async_generator_wrapper(fn: Callable[..., AsyncGenerator[object, object]], guard_for: GuardFor,
+                             done: Finish) -> Callable[..., object]:
+    async def call(*args: object, **kwargs: object) -> AsyncGenerator[object, object]:
         g = guard_for(args, kwargs)
         body = fn(*args, **kwargs)
         with _Running(g, done) as guard:
+            error: Optional[BaseException]
             value, error = None, None
             while True:
                 step = body.asend(value) if error is None else body.athrow(error)
@@ -278,8 +284,27 @@ def _async_generator_wrapper(fn: Callable[..., Any], guard_for: GuardFor, done: 
     return call
 
 
+class _Pausable(Protocol):
+    """A `Guard`, or `_UNGUARDED` standing in for one."""
+
+    def pause(self, site: Optional[_frames.Site] = None) -> Optional[MutationError]: ...
+
+    def resume(self) -> None: ...
+
+
+class _Steps(Protocol):
+    """What `_drive` steps: a generator, a coroutine's `__await__()`, an async generator's
+    `asend()`/`athrow()`/`aclose()` step."""
+
+    def send(self, value: Any, /) -> object: ...  # Any: `__await__()` is typed to take only None
+
+    def throw(self, error: BaseException, /) -> object: ...
+
+    def close(self) -> object: ...
+
+
 @types.coroutine
-def _drive(g: Any, steps: Any, body: Any) -> Generator[Any, Any, Any]:
+def _drive(g: _Pausable, steps: _Steps, body: object) -> Generator[object, object, object]:
     """`yield from steps` with `g` paused while `body` is suspended; returns what `steps` returns.
 
     `steps` is a generator, a coroutine's `__await__()` or an async generator's `asend()`
@@ -287,6 +312,7 @@ def _drive(g: Any, steps: Any, body: Any) -> Generator[Any, Any, Any]:
     is suspended. A change found at a suspension under action="raise" is raised in the
     body, at the line where it is suspended. `g` is active when this returns or raises.
     """
+    error: Optional[BaseException]
     value, error = None, None
     while True:
         try:
@@ -306,7 +332,7 @@ def _drive(g: Any, steps: Any, body: Any) -> Generator[Any, Any, Any]:
         g.resume()
 
 
-def _suspended_at(body: Any) -> Optional[_frames.Site]:
+def _suspended_at(body: object) -> Optional[_frames.Site]:
     """The line where a generator, coroutine or async generator is suspended, if it is."""
     frame = getattr(body, "gi_frame", None) or getattr(body, "cr_frame", None) or getattr(body, "ag_frame", None)
     return _frames.site_of(frame) if frame is not None else None
@@ -324,7 +350,7 @@ class _Running:
     def __init__(self, g: Optional[Guard], done: Finish) -> None:
         self.g, self.done = g, done
 
-    def __enter__(self) -> Any:
+    def __enter__(self) -> _Pausable:
         if self.g is None:
             return _UNGUARDED
         try:
@@ -335,11 +361,12 @@ class _Running:
             self.done(self.g)
             raise
 
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, kind: Optional[type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[types.TracebackType]) -> Literal[False]:  # never swallows: a guard's never does
         if self.g is None:
             return False
         try:
-            return bool(self.g.__exit__(kind, exc, tb))
+            return self.g.__exit__(kind, exc, tb)
         except MutationError as error:  # found at the exit check
             _frames.drop_internal_frames(error)
             raise
@@ -355,7 +382,7 @@ class _Unguarded:
     def __enter__(self) -> None:
         pass
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         pass
 
     def pause(self, site: Optional[_frames.Site] = None) -> None:
