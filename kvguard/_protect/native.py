@@ -34,8 +34,6 @@ from kvguard._protect.protected import ProtectedSet
 from kvguard._protect.records import DIGEST
 from kvguard._protect.watch import Watcher
 
-# The table's row flags that Python reads (RowFlag in kvguard/_native/csrc/table.h).
-EXPLAINED, PYTHON = 8, 16
 _SWEEP_EVERY = 1024  # rows added since the last sweep, beyond the live ones then, before the next
 
 
@@ -118,11 +116,13 @@ class RowEntry(Entry):
 
     @property
     def explained(self) -> bool:
-        return bool(self._owner._table.flags(self.row) & EXPLAINED)
+        owner = self._owner
+        return bool(owner._table.flags(self.row) & owner._explained_flag)
 
     @explained.setter
     def explained(self, value: bool) -> None:
-        self._owner._table.set_flag(self.row, EXPLAINED, bool(value))
+        owner = self._owner
+        owner._table.set_flag(self.row, owner._explained_flag, bool(value))
 
 
 class _Added:
@@ -146,6 +146,9 @@ class NativeSet(ProtectedSet):
         if module is None:
             raise RuntimeError("the compiled extension is not loaded")
         self._table = module.Table(_torch.PLAIN, fingerprint)
+        # The row flags Python reads, as the table exports them (`RowFlag` in csrc/table.h).
+        self._explained_flag: int = module.ROW_EXPLAINED
+        self._python_flag: int = module.ROW_PYTHON
         self._paths: list[Any] = []  # per row: its path, or (prefix, first row) for a run's rows (`_path`)
         self._placed: list[Optional[str]] = []  # per row: where it was placed (None: there at entry)
         self._made: dict[int, RowEntry] = {}  # rows a hit or a report asked for
@@ -229,7 +232,7 @@ class NativeSet(ProtectedSet):
         python: list[RowEntry] = []
         pending: list[int] = []
         for row in rows:
-            if table.flags(row) & PYTHON:
+            if table.flags(row) & self._python_flag:
                 tensor = table.tensor(row)
                 if tensor is None:
                     continue
@@ -489,10 +492,10 @@ class NativeSet(ProtectedSet):
             rows = [e.row for e in entries if isinstance(e, RowEntry) and e.row not in self._py_records
                     and e.row not in self._py_digests]
             if rows:
-                marked = [r for r in rows if self._table.flags(r) & EXPLAINED]  # an earlier write landing later
+                marked = [r for r in rows if self._table.flags(r) & self._explained_flag]  # an earlier write landing later
                 self._table.refresh(rows, True)
                 for row in marked:
-                    self._table.set_flag(row, EXPLAINED, True)
+                    self._table.set_flag(row, self._explained_flag, True)
             rest = [e for e in entries if not isinstance(e, RowEntry) or e.row not in rows]
             for entry, digest in zip(rest, _digest.digests([e.ref() for e in rest])):
                 entry.digest = digest
@@ -512,7 +515,7 @@ class NativeSet(ProtectedSet):
             tensor = table.tensor(row)
             if tensor is None or row in self._py_records:
                 continue
-            if table.flags(row) & PYTHON:  # no longer plain memory: Python keeps it from now on
+            if table.flags(row) & self._python_flag:  # no longer plain memory: Python keeps it from now on
                 self._py_records[row] = self._records_of([tensor], digest=False)[0]
                 self._py_memory.invalidate()
                 continue

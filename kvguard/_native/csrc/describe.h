@@ -60,6 +60,103 @@ struct Described {
   uint64_t digest = 0;
 };
 
+// ---- the record -------------------------------------------------------------------------
+// What the protected set keeps of a tensor is one type on both sides: the NamedTuple
+// kvguard._protect.records.Record, handed over once (set_record_type, from records.bind) and
+// checked against kRecordFields, the one place its field order is written. C++ fills the
+// first eight; `spans` is Python's (None here: the one span is device, start, stop, dense).
+
+constexpr const char* kRecordFields[] = {"layout", "impl",   "device",    "start", "stop",
+                                         "dense",  "digest", "inference", "spans"};
+constexpr Py_ssize_t kRecordSize = sizeof(kRecordFields) / sizeof(kRecordFields[0]);
+
+PyTypeObject* record_type = nullptr;  // a strong reference, once handed over
+
+// RECORD_FIELDS: the field names, in order, as the module exports them.
+PyObject* record_fields() {
+  PyObject* names = PyTuple_New(kRecordSize);
+  if (names == nullptr) return nullptr;
+  for (Py_ssize_t k = 0; k < kRecordSize; ++k) {
+    PyObject* name = PyUnicode_FromString(kRecordFields[k]);
+    if (name == nullptr) {
+      Py_DECREF(names);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(names, k, name);
+  }
+  return names;
+}
+
+// set_record_type(type): the tuple subclass records are built as; its `_fields` must be
+// kRecordFields, and it may add no storage of its own (a NamedTuple's `__slots__ = ()`).
+PyObject* py_set_record_type(PyObject*, PyObject* arg) {
+  if (!PyType_Check(arg) || !PyType_IsSubtype((PyTypeObject*)arg, &PyTuple_Type)) {
+    PyErr_SetString(PyExc_TypeError, "set_record_type: expected a tuple subclass (a NamedTuple)");
+    return nullptr;
+  }
+  auto* type = (PyTypeObject*)arg;
+  if (type->tp_basicsize != PyTuple_Type.tp_basicsize || type->tp_itemsize != PyTuple_Type.tp_itemsize ||
+      type->tp_dictoffset != 0) {
+    PyErr_Format(PyExc_TypeError, "set_record_type: %.100s adds storage to its tuple", type->tp_name);
+    return nullptr;
+  }
+  PyObject* fields = PyObject_GetAttrString(arg, "_fields");
+  PyObject* expected = fields == nullptr ? nullptr : record_fields();
+  const int same = expected == nullptr ? -1 : PyObject_RichCompareBool(fields, expected, Py_EQ);
+  Py_XDECREF(fields);
+  Py_XDECREF(expected);
+  if (same < 0) return nullptr;
+  if (!same) {
+    PyErr_Format(PyExc_TypeError, "set_record_type: %.100s's fields are not RECORD_FIELDS", type->tp_name);
+    return nullptr;
+  }
+  Py_INCREF(arg);
+  Py_XSETREF(record_type, type);
+  Py_RETURN_NONE;
+}
+
+// A record of the type handed over, from the eight values C++ fills (references stolen, any
+// of them nullptr: an error is set, and the others are released). Not tracked by the garbage
+// collector: it holds ints, bools, None and a torch.device, so it is in no cycle (as CPython
+// untracks such exact tuples at their first collection, which never untracks a subclass's:
+// 100,000 tracked records made each collection during a batch cost more than the batch).
+PyObject* new_record(PyObject* layout, PyObject* impl, PyObject* device, PyObject* start, PyObject* stop,
+                     PyObject* dense, PyObject* digest, PyObject* inference) {
+  PyObject* items[kRecordSize] = {layout, impl, device, start, stop, dense, digest, inference, Py_NewRef(Py_None)};
+  bool missing = false;
+  for (PyObject* item : items) missing = missing || item == nullptr;
+  PyObject* record = nullptr;
+  if (!missing && record_type == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "kvguard: no record type handed to the write hook (kvguard._protect.records.bind)");
+  } else if (!missing) {
+#if PY_VERSION_HEX < 0x030E0000
+    // As tuple_subtype_new allocates a subclass's instance, without its temporary tuple.
+    record = record_type->tp_alloc(record_type, kRecordSize);
+    if (record != nullptr) {
+      for (Py_ssize_t k = 0; k < kRecordSize; ++k) PyTuple_SET_ITEM(record, k, items[k]);
+      PyObject_GC_UnTrack(record);  // see below
+      return record;
+    }
+#else
+    // Python 3.14 caches a tuple's hash in the object: only tuple's own constructor sets it up.
+    PyObject* plain = PyTuple_New(kRecordSize);
+    if (plain != nullptr) {
+      for (Py_ssize_t k = 0; k < kRecordSize; ++k) PyTuple_SET_ITEM(plain, k, items[k]);
+      PyObject* args = PyTuple_Pack(1, plain);
+      Py_DECREF(plain);
+      if (args == nullptr) return nullptr;
+      record = PyTuple_Type.tp_new(record_type, args, nullptr);
+      Py_DECREF(args);
+      if (record != nullptr) PyObject_GC_UnTrack(record);  // see below
+      return record;
+    }
+#endif
+  }
+  for (PyObject* item : items) Py_XDECREF(item);
+  return nullptr;
+}
+
 void describe_tensor(const at::Tensor& t, Described& d, bool want_digest, int max_dims) {
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   if (impl->layout() != c10::kStrided || impl->is_nested() || t.is_quantized() ||
@@ -139,13 +236,13 @@ void describe_one(PyObject* obj, Described& d, bool want_digest, int max_dims) {
 }
 
 // describe(tensors, plain_types, digest) -> list, one item per tensor: None when Python
-// must describe it (not one of `plain_types` exactly, or not plain strided memory), else
-// (layout, impl, device, start, stop, dense, digest, inference): `layout` an int that changes when the
-// tensor is re-pointed or its layout changes, `impl` its TensorImpl address (`_cdata`),
-// `device` a torch.device, [start, stop) the bytes its elements span ((0, 0) for none),
-// `dense` whether the elements tile that span, and `digest` an int (CPU), None (nothing
+// must describe it (not one of `plain_types` exactly, or not plain strided memory), else a
+// record (the type set_record_type was handed; fields as kRecordFields): `layout` an int that
+// changes when the tensor is re-pointed or its layout changes, `impl` its TensorImpl address
+// (`_cdata`), `device` a torch.device, [start, stop) the bytes its elements span ((0, 0) for
+// none), `dense` whether the elements tile that span, and `digest` an int (CPU), None (nothing
 // readable, or `digest` false) or NotImplemented (another device: Python digests it there);
-// `inference` whether it is an inference tensor.
+// `inference` whether it is an inference tensor; `spans` None.
 PyObject* py_describe(PyObject*, PyObject* args) {
   KVGUARD_TRY
   PyObject *tensors = nullptr, *plain_types = nullptr;
@@ -200,15 +297,9 @@ PyObject* py_describe(PyObject*, PyObject* args) {
       PyObject* digest = d.digest_kind == Described::kHost ? PyLong_FromUnsignedLongLong(d.digest)
           : d.digest_kind == Described::kDevice ? Py_NewRef(Py_NotImplemented)
           : Py_NewRef(Py_None);
-      PyObject* device = device_object(d.device);
-      item = digest == nullptr || device == nullptr ? nullptr
-          : Py_BuildValue("(KKNKKONO)", (unsigned long long)d.layout, (unsigned long long)d.impl,
-                          device, (unsigned long long)d.start, (unsigned long long)d.stop,
-                          d.dense ? Py_True : Py_False, digest, d.inference ? Py_True : Py_False);
-      if (item == nullptr) {
-        Py_XDECREF(digest);
-        Py_XDECREF(device);
-      }
+      item = new_record(PyLong_FromUnsignedLongLong(d.layout), PyLong_FromUnsignedLongLong(d.impl),
+                        device_object(d.device), PyLong_FromSize_t(d.start), PyLong_FromSize_t(d.stop),
+                        PyBool_FromLong(d.dense), digest, PyBool_FromLong(d.inference));
     }
     if (item == nullptr) {
       failed = true;

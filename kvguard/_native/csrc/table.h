@@ -46,6 +46,24 @@ enum RowFlag : uint8_t {
   kGone = 64,         // dead and swept, or dropped: never looked at again
 };
 
+// The flags as the module exports them (write_hook.ROW_EXPLAINED, ...): Python reads these
+// names (kvguard._protect.native), never the numbers.
+struct RowFlagName {
+  const char* name;
+  RowFlag flag;
+};
+constexpr RowFlagName kRowFlagNames[] = {
+    {"ROW_DENSE", kDense},   {"ROW_INFERENCE", kInference}, {"ROW_DIGEST", kDigest},
+    {"ROW_EXPLAINED", kExplained}, {"ROW_PYTHON", kPython}, {"ROW_PY_DIGEST", kPyDigest},
+    {"ROW_GONE", kGone},
+};
+
+bool add_row_flags(PyObject* module) {
+  for (const RowFlagName& named : kRowFlagNames)
+    if (PyModule_AddIntConstant(module, named.name, named.flag) < 0) return false;
+  return true;
+}
+
 // TensorImpl address -> row, open addressing with linear probing (no node per row: 16 bytes
 // a slot, at most half full). Erased slots keep a tombstone until the next growth.
 class RowMap {
@@ -520,29 +538,23 @@ PyObject* table_row_of(TableObject* self, PyObject* arg) {
 
 PyObject* device_object(c10::Device device) { return THPDevice_New(device); }
 
-PyObject* record_tuple(TableObject* self, size_t r) {
+PyObject* record_of_row(TableObject* self, size_t r) {
   TableData& t = *self->data;
   const uint8_t f = t.flags[r];
-  PyObject* device = device_object(t.device[r]);
-  if (device == nullptr) return nullptr;
-  PyObject* digest = f & kDigest ? PyLong_FromUnsignedLongLong(t.digest[r]) : Py_NewRef(Py_None);
-  if (digest == nullptr) {
-    Py_DECREF(device);
-    return nullptr;
-  }
-  return Py_BuildValue("(KKNKKONO)", (unsigned long long)t.layout[r],
-                       (unsigned long long)(uintptr_t)t.impl[r]._unsafe_get_target(), device,
-                       (unsigned long long)t.start[r], (unsigned long long)t.stop[r],
-                       f & kDense ? Py_True : Py_False, digest, f & kInference ? Py_True : Py_False);
+  return new_record(PyLong_FromUnsignedLongLong(t.layout[r]),
+                    PyLong_FromSize_t((uintptr_t)t.impl[r]._unsafe_get_target()), device_object(t.device[r]),
+                    PyLong_FromSize_t(t.start[r]), PyLong_FromSize_t(t.stop[r]), PyBool_FromLong(f & kDense),
+                    f & kDigest ? PyLong_FromUnsignedLongLong(t.digest[r]) : Py_NewRef(Py_None),
+                    PyBool_FromLong(f & kInference));
 }
 
-// record(row) -> the record kvguard._protect.records keeps: (layout, impl, device, start, stop,
-// dense, digest, inference); digest None where the table holds none.
+// record(row) -> the record kvguard._protect.records keeps (describe.h's new_record): digest
+// None where the table holds none.
 PyObject* table_record(TableObject* self, PyObject* arg) {
   KVGUARD_TRY
   size_t r = 0;
   if (!read_row(self, arg, &r)) return nullptr;
-  return record_tuple(self, r);
+  return record_of_row(self, r);
   KVGUARD_CATCH
 }
 
@@ -665,7 +677,7 @@ PyObject* table_refresh(TableObject* self, PyObject* args) {
       Py_DECREF(triple);
     }
     if (d.layout != t.layout[r] || !d.plain) {
-      PyObject* old = record_tuple(self, r);
+      PyObject* old = record_of_row(self, r);
       if (old == nullptr) {
         Py_DECREF(moved);
         Py_DECREF(changed);
@@ -1005,7 +1017,7 @@ PyMethodDef table_methods[] = {
     {"tensor", (PyCFunction)table_tensor, METH_O, "tensor(row) -> Tensor | None"},
     {"row_of", (PyCFunction)table_row_of, METH_O, "row_of(tensor) -> int (-1: none)"},
     {"record", (PyCFunction)table_record, METH_O,
-     "record(row) -> (layout, impl, device, start, stop, dense, digest, inference)"},
+     "record(row) -> records.Record (the type set_record_type was handed)"},
     {"flags", (PyCFunction)table_flags, METH_O, "flags(row) -> int"},
     {"set_flag", (PyCFunction)table_set_flag, METH_VARARGS, "set_flag(row, flag, on) -> None"},
     {"set_digest", (PyCFunction)table_set_digest, METH_VARARGS, "set_digest(row, digest | None) -> None"},

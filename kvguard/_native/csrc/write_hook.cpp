@@ -1931,8 +1931,11 @@ PyMethodDef methods[] = {
      "before unless something was published since (then False: publish anew). One at a time."},
     {"describe", py_describe, METH_VARARGS,
      "describe(tensors: list, plain_types: tuple[type, ...], digest: bool) -> list\n\nPer "
-     "tensor, None (Python must describe it) or (layout, impl, device, start, stop, dense, "
-     "digest, inference): see kvguard/_native/csrc/write_hook.cpp."},
+     "tensor, None (Python must describe it) or a record (the type set_record_type was handed, "
+     "fields RECORD_FIELDS): see kvguard/_native/csrc/describe.h."},
+    {"set_record_type", py_set_record_type, METH_O,
+     "set_record_type(record_type: type) -> None\n\nThe NamedTuple describe() and a Table build "
+     "records as (kvguard._protect.records.Record); its _fields must be RECORD_FIELDS."},
     {"writes", py_writes, METH_NOARGS,
      "writes() -> int\n\nHow many outermost writing ops ran while enabled."},
     {"candidates", py_candidates, METH_O,
@@ -1959,9 +1962,13 @@ PyMODINIT_FUNC PyInit_write_hook(void) {
   if (PyType_Ready(table) < 0 || PyType_Ready(saved_type()) < 0 || PyType_Ready(hooks_type()) < 0) return nullptr;
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
-  if (PyModule_AddObjectRef(module, "Table", (PyObject*)table) < 0 ||
+  PyObject* fields = record_fields();
+  const bool added_fields = fields != nullptr && PyModule_AddObjectRef(module, "RECORD_FIELDS", fields) == 0;
+  Py_XDECREF(fields);
+  if (!added_fields || PyModule_AddObjectRef(module, "Table", (PyObject*)table) < 0 ||
       PyModule_AddObjectRef(module, "Saved", (PyObject*)saved_type()) < 0 ||
-      PyModule_AddObjectRef(module, "SavedHooks", (PyObject*)hooks_type()) < 0) {
+      PyModule_AddObjectRef(module, "SavedHooks", (PyObject*)hooks_type()) < 0 ||
+      !add_row_flags(module)) {
     Py_DECREF(module);
     return nullptr;
   }
