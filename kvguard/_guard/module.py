@@ -14,10 +14,30 @@ import itertools
 import os
 import threading
 import weakref
-from typing import Any, Collection, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Collection, Literal, Optional, Protocol
 
 from kvguard._guard.guard import Guard
 from kvguard._guard.target import caller_name
+
+if TYPE_CHECKING:
+    import types
+
+    import torch
+
+    from kvguard._protect.entries import Change
+    from kvguard._protect.weights import ModuleSet
+
+Modules = list[tuple[str, "torch.nn.Module"]]  # (name, module): whose weights, under which names
+Loose = list[tuple[str, "torch.Tensor"]]  # (name, parameter) of parameters no named module holds
+
+
+class Optimizer(Protocol):
+    """What a weights guard uses of an optimizer: a `torch.optim.Optimizer`, or any object with
+    its `param_groups` and a `step()` (as `guard_module` checks)."""
+
+    param_groups: list[dict[str, Any]]  # each group's options (`lr`...) and its "params"
+
+    def step(self, *args: Any, **kwargs: Any) -> object: ...
 
 
 STEP_DIFF = ("values changed since the last optimizer step with no dispatched write (a numpy view, a raw "
@@ -45,7 +65,7 @@ class ModuleGuard(Guard):
 
     intended_for = "weights"  # peft's merge, trl's reference sync... (`kvguard._intended`)
 
-    def __init__(self, modules: list[tuple[str, Any]], optimizers: tuple[Any, ...], *, name: Optional[str] = None,
+    def __init__(self, modules: Modules, optimizers: tuple[Optimizer, ...], *, name: Optional[str] = None,
                  action: Optional[str] = "raise", allow: Optional[Collection[str]] = None,
                  report_dir: Optional[str | os.PathLike[str]] = None, level: Optional[str] = None,
                  fingerprint: Optional[bool] = None, target: Optional[str] = None) -> None:
@@ -53,10 +73,11 @@ class ModuleGuard(Guard):
                          level=level, fingerprint=fingerprint, target=target)
         self.modules = modules  # (name, module): whose parameters and buffers, under which names
         self.optimizers = optimizers
-        self._unwrap: list[Any] = []
-        self._holder_of: dict[int, tuple[Any, int]] = {}  # id(optimizer) -> (weak ref, its holder key)
+        self._unwrap: list[Callable[[], None]] = []
+        # id(optimizer) -> (weak ref, its holder key)
+        self._holder_of: dict[int, tuple[weakref.ref[Optimizer], int]] = {}
 
-    def _new_protected(self) -> Any:
+    def _new_protected(self) -> ModuleSet:
         from kvguard._protect.weights import ModuleSet
 
         if self.level == "full":
@@ -78,7 +99,7 @@ class ModuleGuard(Guard):
         protected = weakref.ref(self._protected)  # conversions (`model.half()`) are the trainer's writes
         me = weakref.ref(self)
 
-        def converting(module: Any, fn: Any) -> Any:
+        def converting(module: torch.nn.Module, fn: object) -> Callable[[], None]:
             live = protected()
             if live is None:
                 return _nothing
@@ -95,7 +116,7 @@ class ModuleGuard(Guard):
                                                                "(to_empty, or a function keeping dtype and device)")
             return done
 
-        def loaded(module: Any) -> None:
+        def loaded(module: torch.nn.Module) -> None:
             live = protected()
             if live is not None:
                 live.converted(module)
@@ -105,7 +126,7 @@ class ModuleGuard(Guard):
             self._unwrap.append(_on_load(loaded))
         return self
 
-    def add_optimizer(self, optimizer: Any, modules: list[tuple[str, Any]], loose: list[tuple[str, Any]]) -> None:
+    def add_optimizer(self, optimizer: Optimizer, modules: Modules, loose: Loose) -> None:
         """An optimizer made while the guard is active (KVGUARD_TARGETS=weights): its weights from now
         on, until it is freed (unless something else holds them too)."""
         if self._protected is None:
@@ -118,7 +139,7 @@ class ModuleGuard(Guard):
         self._unwrap.append(_wrap_step(optimizer, self))
         weakref.finalize(optimizer, self._optimizer_freed, id(optimizer), key)
 
-    def add_params(self, optimizer: Any, modules: list[tuple[str, Any]], loose: list[tuple[str, Any]]) -> None:
+    def add_params(self, optimizer: Optimizer, modules: Modules, loose: Loose) -> None:
         """Parameters added to a watched optimizer (`add_param_group`): protected for it as its others."""
         held = self._holder_of.get(id(optimizer))
         if self._protected is not None and held is not None and held[0]() is optimizer:
@@ -131,18 +152,19 @@ class ModuleGuard(Guard):
         if self._protected is not None:
             self._protected.holder_gone(key)
 
-    def add_modules(self, modules: list[tuple[str, Any]]) -> None:
+    def add_modules(self, modules: Modules) -> None:
         """Modules loaded while the guard is active (KVGUARD_TARGETS=weights): their weights from now on."""
         if self._protected is not None:
             self._protected.add(modules)
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
+    def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[types.TracebackType]) -> Literal[False]:
         while self._unwrap:
             self._unwrap.pop()()
         self.modules, self.optimizers = [], ()  # a guard left behind (its cycles wait for gc) holds neither
         return super().__exit__(exc_type, exc, tb)
 
-    def stepping(self, optimizer: Any) -> Any:
+    def stepping(self, optimizer: Optimizer) -> object:
         """Called by the wrapped `step` of `optimizer` before it runs: what changed in its parameters
         since the last step with no op reporting it is reported (the step would absorb it; under
         "raise" the step does not run), then they step aside; returns the token `stepped` takes
@@ -155,7 +177,7 @@ class ModuleGuard(Guard):
                              f"at optimizer step {protected.steps + 1}, before it ran")
         return protected.begin_step(step)
 
-    def _report_changes(self, changes: list[Any], diff: str, found: str) -> None:
+    def _report_changes(self, changes: list[Change], diff: str, found: str) -> None:
         """Changes found at a step or a module's `_apply`, as boundary findings located at the user's
         line (`step()`, `to_empty()`) and said to be found there (`found`, the event's). Under "raise"
         the first raises (the change has happened)."""
@@ -176,7 +198,7 @@ class ModuleGuard(Guard):
         if events and self.action == "raise":
             raise MutationError(format_event(events[0]), events[0], self.report)
 
-    def stepped(self, token: Any) -> None:
+    def stepped(self, token: object) -> None:
         if token is not None and self._protected is not None:
             self._protected.end_step(token)
 
@@ -184,13 +206,14 @@ class ModuleGuard(Guard):
 _holder_keys = itertools.count(1)  # what a protected set knows each optimizer by
 
 
-_load_listeners: list[Any] = []
-_load_original: Any = None
+LoadListener = Callable[["torch.nn.Module"], None]
+_load_listeners: list[LoadListener] = []
+_load_original: Optional[Callable[..., object]] = None
 _torch_load_state_dict: Any = None  # the first method wrapped, kept for calls that outlive the undo
 _loading = threading.local()
 
 
-def _on_load(listener: Any) -> Any:
+def _on_load(listener: LoadListener) -> Callable[[], None]:
     """Call `listener(module)` after each outermost `Module.load_state_dict`; returns the undo."""
     import torch
 
@@ -211,7 +234,7 @@ def _on_load(listener: Any) -> Any:
     return remove
 
 
-def _load_state_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
+def _load_state_dict(self: torch.nn.Module, *args: object, **kwargs: object) -> object:
     # Called after the undo (someone kept the wrapped method): torch's own, as it was.
     original = _load_original if _load_original is not None else _torch_load_state_dict
     depth = getattr(_loading, "depth", 0)
@@ -225,7 +248,7 @@ def _load_state_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
                 listener(self)
 
 
-def _wrap_step(optimizer: Any, guard: ModuleGuard) -> Any:
+def _wrap_step(optimizer: Optimizer, guard: ModuleGuard) -> Callable[[], None]:
     """Wrap `optimizer.step` on the instance for the guard's block; returns the undo.
 
     A wrapper added on top later (an LR scheduler made inside the block wraps `step` too)
@@ -236,16 +259,17 @@ def _wrap_step(optimizer: Any, guard: ModuleGuard) -> Any:
     from kvguard import _torch
 
     own = vars(optimizer).get("step")  # an LR scheduler's wrapper already (it holds the optimizer weakly)
-    inner = own if own is not None else type(optimizer).step  # called with the optimizer, if not its own
+    # Called with the optimizer, if not its own.
+    inner: Callable[..., object] = own if own is not None else type(optimizer).step
     active: list[Optional[ModuleGuard]] = [guard]  # None once undone: nothing of the guard kept alive
     optimizer_ref = weakref.ref(optimizer)
 
     @functools.partial(_torch.outside_dynamo, callees=True)
-    def run(self: Any, args: Any, kwargs: Any) -> Any:
+    def run(self: Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> object:
         return inner(*args, **kwargs) if own is not None else inner(self, *args, **kwargs)
 
     @functools.wraps(getattr(inner, "__func__", inner))
-    def step_method(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def step_method(self: Optimizer, *args: object, **kwargs: object) -> object:
         owner = active[0]
         if owner is None:
             return run(self, args, kwargs)
@@ -260,7 +284,8 @@ def _wrap_step(optimizer: Any, guard: ModuleGuard) -> Any:
     # wrapper runs eagerly (the guard's bookkeeping is no graph) and the step it calls is
     # compiled as without kvguard: the same graphs and graph breaks.
     marker = step_method._kvguard_step = object()  # type: ignore[attr-defined]
-    optimizer.step = WeaklyBound(_torch.outside_dynamo(step_method, callees=True), optimizer)
+    optimizer.step = WeaklyBound(  # type: ignore[method-assign]  # on the instance, as LR schedulers do
+        _torch.outside_dynamo(step_method, callees=True), optimizer)
     _step_outside_dynamo()
     del step_method
 
@@ -270,7 +295,7 @@ def _wrap_step(optimizer: Any, guard: ModuleGuard) -> Any:
         if opt is not None and getattr(getattr(vars(opt).get("step"), "__func__", None), "_kvguard_step", None) \
                 is marker:
             if own is not None:
-                opt.step = own
+                opt.step = own  # type: ignore[method-assign]
             else:
                 del opt.step
     return undo
@@ -294,15 +319,15 @@ class WeaklyBound:
 
     __slots__ = ("__func__", "_ref")
 
-    def __init__(self, func: Any, obj: Any) -> None:
+    def __init__(self, func: Callable[..., object], obj: object) -> None:
         self.__func__ = func
         self._ref = weakref.ref(obj)
 
     @property
-    def __self__(self) -> Any:
+    def __self__(self) -> object:
         return self._ref()
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> object:
         obj = self._ref()
         if obj is None:
             raise ReferenceError("the object this method was bound to is gone")
@@ -315,7 +340,7 @@ class WeaklyBound:
         return f"<bound method {getattr(self.__func__, '__qualname__', '?')} of {self._ref()!r}>"
 
 
-def guard_module(module: Any, optimizer: Any = None, *, action: str = "raise", name: Optional[str] = None,
+def guard_module(module: torch.nn.Module, optimizer: Any = None, *, action: str = "raise", name: Optional[str] = None,
                  allow: Optional[Collection[str]] = None, report_dir: Optional[str | os.PathLike[str]] = None,
                  level: Optional[str] = None, fingerprint: Optional[bool] = None) -> ModuleGuard:
     """Protect every parameter and buffer of `module` while the `with` block runs.
