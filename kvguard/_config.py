@@ -23,8 +23,9 @@ from typing import Mapping, Optional
 
 from kvguard import _presets
 from kvguard._errors import ConfigError
+from kvguard._kinds import KINDS
 from kvguard._paths import parse_patterns
-from kvguard._targets import Target, parse_target
+from kvguard._presets import Target, parse_target
 
 OFF = "off"
 ACTIONS = ("raise", "warn", "record")
@@ -165,14 +166,14 @@ class Settings:
     calls: Calls = Calls()
     level: str = "full"
     defaults: GuardDefaults = GuardDefaults()
-    autograd: bool = False  # `autograd` in KVGUARD_TARGETS: what autograd saves, in every forward pass
-    weights: bool = False  # `weights` in KVGUARD_TARGETS: every optimizer's parameters, outside its step
-    data: bool = False  # `data` in KVGUARD_TARGETS: what every dataset returns, from then on
+    # The process-wide kinds KVGUARD_TARGETS names by word (`autograd`, `weights`, `data`: `kvguard._kinds`)
+    kinds: tuple[str, ...] = ()
+    # The presets only `all` named: a framework this process never imports is no gap for them
+    implied_presets: tuple[str, ...] = ()
 
     def as_record(self) -> dict[str, object]:
         """The settings as plain JSON values, for report headers."""
-        return {"action": self.action, "targets": [str(t) for t in self.targets] + [AUTOGRAD] * self.autograd
-                + [WEIGHTS] * self.weights + [DATA] * self.data,
+        return {"action": self.action, "targets": [str(t) for t in self.targets] + list(self.kinds),
                 "report_dir": self.report_dir,
                 "keys": list(self.keys) if self.keys is not None else None, "ignore": list(self.ignore),
                 "allow": list(self.allow), "calls": str(self.calls), "level": self.level}
@@ -218,15 +219,22 @@ def env_source(name: str) -> str:
     return f"the {name} environment variable"
 
 
-AUTOGRAD = "autograd"  # the KVGUARD_TARGETS word for what autograd saves (`kvguard.guard_autograd`)
-WEIGHTS = "weights"  # the word for every optimizer's parameters outside its step (`kvguard.guard_module`)
-DATA = "data"  # the word for what every dataset returns (`kvguard.guard_data`)
-_WORDS = (AUTOGRAD, WEIGHTS, DATA)
+ALL = "all"  # the KVGUARD_TARGETS word for every kind and every preset
 
 
-def names_word(value: str, word: str) -> bool:
-    """Whether a KVGUARD_TARGETS value names `word` (`autograd`, `weights`; any case)."""
-    return any(item.strip().lower() == word for item in value.split(","))
+def named_kinds(value: str) -> tuple[str, ...]:
+    """The process-wide kinds a KVGUARD_TARGETS value names by word (any case; `all`: every one), in `KINDS` order."""
+    words = {item.strip().lower() for item in value.split(",")}
+    return tuple(word for word in KINDS if word in words or ALL in words)
+
+
+def implied_presets(value: str) -> tuple[str, ...]:
+    """The presets a KVGUARD_TARGETS value names only through `all` (any case)."""
+    items = [item.strip().lower() for item in value.split(",")]
+    if ALL not in items:
+        return ()
+    named = {preset.name for item in items if (preset := _presets.preset_for(item)) is not None}
+    return tuple(name for name in _presets.PRESETS if name not in named)
 
 
 def parse_targets(value: str, source: str = env_source("KVGUARD_TARGETS")) -> tuple[Target, ...]:
@@ -235,16 +243,19 @@ def parse_targets(value: str, source: str = env_source("KVGUARD_TARGETS")) -> tu
     Each entry is `module:qualname(argname)` or, without a colon, a preset name (`slime`,
     `verl`, ...: see `_presets`), which stands for its functions, or one of the words
     `autograd` (what autograd saves), `weights` (every optimizer's parameters) and `data`
-    (what every dataset returns): no
-    function (`names_word`). A function named both by a preset and explicitly is
+    (what every dataset returns), the process-wide kinds of `kvguard._kinds`: no
+    function (`named_kinds`). A function named both by a preset and explicitly is
     guarded once, as the explicit entry says.
     """
     targets: list[Target] = []
-    for item in filter(str.strip, value.split(",")):
-        if item.strip().lower() in _WORDS:
+    items = list(filter(str.strip, value.split(",")))
+    if any(item.strip().lower() == ALL for item in items):  # every preset: each guards what the process imports
+        items = [item for item in items if item.strip().lower() != ALL] + list(implied_presets(value))
+    for item in items:
+        if item.strip().lower() in KINDS:
             continue
         if ":" not in item:
-            expanded: tuple[Target, ...] = _presets.expand(item, source, _WORDS)
+            expanded: tuple[Target, ...] = _presets.expand(item, source, (*KINDS, ALL))
         else:
             expanded = (parse_target(item, source),)
         for target in expanded:
@@ -302,5 +313,5 @@ def from_env(environ: Mapping[str, str]) -> Settings:
     targets = parse_targets(named)
     defaults = guard_defaults(environ)
     return Settings(action, targets, defaults.report_dir, defaults.keys, defaults.ignore or (), defaults.allow or (),
-                    defaults.calls or Calls(), defaults.level or "full", defaults,
-                    names_word(named, AUTOGRAD), names_word(named, WEIGHTS), names_word(named, DATA))
+                    defaults.calls or Calls(), defaults.level or "full", defaults, named_kinds(named),
+                    implied_presets(named))

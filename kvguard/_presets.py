@@ -1,4 +1,5 @@
-"""Presets: `KVGUARD_TARGETS=slime` names the functions of an RL framework worth guarding.
+"""Targets and presets: `module:qualname(argname)` names one function to guard, and
+`KVGUARD_TARGETS=slime` names the functions of an RL framework worth guarding.
 
 An entry of `KVGUARD_TARGETS` without a colon is a preset name (any case; `_` or `-`).
 Each preset was found by reading the framework's source at the commit it names; nothing
@@ -54,12 +55,38 @@ that does not exist, a function or method that is gone, an argument renamed) is 
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from typing import Any, Iterable, Optional
 
 from kvguard._errors import ConfigError
-from kvguard._targets import Target, parse_target
 from kvguard._text import did_you_mean, plural
+
+_TARGET = re.compile(r"^\s*([A-Za-z_][\w.]*):([A-Za-z_][\w.]*)\(\s*([A-Za-z_]\w*)\s*\)\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A function to guard on one argument: `module:qualname(argname)`, the grammar of
+    `KVGUARD_TARGETS` entries (read by `_config.parse_targets`) and of every preset's functions."""
+
+    module: str
+    qualname: str
+    argname: str
+
+    def __str__(self) -> str:
+        return f"{self.module}:{self.qualname}({self.argname})"
+
+
+def parse_target(item: str, source: str) -> Target:
+    """One explicit `module:qualname(argname)`; a `ConfigError` naming `source` if it is not one."""
+    match = _TARGET.match(item)
+    if match is None:
+        raise ConfigError(
+            f"invalid target {item.strip()!r} in {source}; expected module:qualname(argname), "
+            "e.g. myrl.loss:compute_advantages_and_returns(rollout_data)"
+        )
+    return Target(*match.groups())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,9 +19,9 @@ class State:
         self.settings: Any = None
         self.started = False
         self.patched: list[str] = []  # targets guarded in this process
-        self.autograd: Any = None  # the process's `guard_autograd` (KVGUARD_TARGETS=autograd), once torch loads
-        self.weights: Any = None  # the process's weights guard (KVGUARD_TARGETS=weights), once an optimizer is made
-        self.data: Any = None  # the process's `guard_data` (KVGUARD_TARGETS=data), once torch loads
+        # The guard of each process-wide kind KVGUARD_TARGETS names (`kvguard._kinds`), by word, once
+        # it started: `autograd` and `data` when torch loads, `weights` at the first optimizer or load
+        self.kinds: dict[str, Any] = {}
         self.undo: list[Callable[[], None]] = []
 
     def uninstall(self) -> None:

@@ -19,11 +19,11 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "kvguard"
 # after its own, never one before. The package itself (`kvguard`, its public names) and
 # `kvguard.__main__` sit above them all; the top-level leaves below them all.
 ROOMS = ("_activate", "_guard", "_engine", "_protect", "_native", "_report")
-LEAVES = ("_errors", "_text", "_paths", "_config", "_ranks", "_state", "_targets", "_presets", "_intended",
+LEAVES = ("_errors", "_text", "_paths", "_config", "_ranks", "_state", "_kinds", "_presets", "_intended",
           "_torch")  # import no room
-# Names that installed environments call (older `.pth` lines, pytest11 entry points): each
-# re-exports its room's module, so it sits with the package, above every room.
-SHIMS = ("_startup", "_pytest_plugin", "_pytest_off")
+# The name older `.pth` lines call (`import kvguard._startup`; no installer removes such a line):
+# it re-exports activation's module, so it sits with the package, above every room.
+SHIMS = ("_startup",)
 # Arrows up the rooms, each for a reason, each an import under `if TYPE_CHECKING:` only.
 TYPED_UP = {
     ("kvguard._errors", "kvguard._report.events"): "MutationError carries its event and report, typed",
@@ -254,3 +254,10 @@ def test_the_fence_check_finds_private_apis(tmp_path: pathlib.Path) -> None:
 def test_circles_are_found() -> None:
     edges = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}
     assert circles(edges) == [["a", "b", "c"]]
+
+
+def test_the_top_level_stays_small() -> None:
+    """At most 12 modules at the top of the package (issue 35's bar): a new concern is a module
+    in a room, or a room, not one more leaf beside `_config`."""
+    top = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(top) <= 12, top

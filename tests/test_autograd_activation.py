@@ -59,8 +59,8 @@ def test_record_lets_backward_fail_as_torch_does_with_the_write_named(tmp_path: 
 
 def test_autograd_mixes_with_other_targets() -> None:
     settings = _config.from_env({"KVGUARD": "raise", "KVGUARD_TARGETS": "Autograd, slime"})
-    assert settings.autograd and settings.targets and "autograd" in settings.as_record()["targets"]
-    assert not _config.from_env({"KVGUARD": "raise", "KVGUARD_TARGETS": "slime"}).autograd
+    assert "autograd" in settings.kinds and settings.targets and "autograd" in settings.as_record()["targets"]
+    assert not _config.from_env({"KVGUARD": "raise", "KVGUARD_TARGETS": "slime"}).kinds
 
 
 def _megatron_job(script: str, variant: str) -> subprocess.CompletedProcess[str]:

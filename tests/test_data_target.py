@@ -163,10 +163,11 @@ def test_a_sample_returned_after_a_dropped_one_is_protected_too(clone: bool) -> 
 
 
 def test_a_main_process_whose_workers_loaded_everything_says_it_checked_nothing_here() -> None:
-    from kvguard._report.tally import DATA_LABEL, Tally
+    from kvguard._kinds import DATA
+    from kvguard._report.tally import Tally
 
     tally = Tally()
-    tally.target(DATA_LABEL).calls = 1  # the process guard was entered; no dataset returned a tensor here
+    tally.target(DATA.word).calls = 1  # the process guard was entered; no dataset returned a tensor here
     assert tally.lines() == ["kvguard: data: no dataset returned a tensor here, so no write was checked "
                              "(DataLoader workers say their own)"]
 

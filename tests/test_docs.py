@@ -340,3 +340,16 @@ def test_report_fields_are_the_documented_ones(tmp_path: Path) -> None:
     text = (DOCS / "reports.md").read_text()
     undocumented = sorted(f for f in fields if f"`{f}`" not in text)
     assert not undocumented, f"report fields the reports page does not name: {undocumented}"
+
+
+def test_event_kinds_are_the_documented_ones() -> None:
+    """Every kind an event can have (`EventKind`) is in `MutationEvent`'s docstring and in
+    docs/reports.md's list, and nothing else is: the three had drifted apart (six, five, four)."""
+    from kvguard._report.events import EVENT_KINDS, MutationEvent
+
+    text = (ROOT / "docs" / "reports.md").read_text()
+    listed = text[text.index("`kind` (") : text.index("`blocked`,")]
+    assert set(re.findall(r'`"(\w+)"`', listed)) == set(EVENT_KINDS)
+    docstring = MutationEvent.__doc__ or ""
+    said = docstring[docstring.index("ev.kind") : docstring.index("ev.filename")]
+    assert set(re.findall(r'"(\w+)"', said.split("(")[0])) == set(EVENT_KINDS)

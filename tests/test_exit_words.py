@@ -19,7 +19,8 @@ import kvguard
 from kvguard._report.process import PROCESS
 from kvguard._report.read import describe, load
 from kvguard._report.render import run_report
-from kvguard._report.tally import AUTOGRAD_LABEL, Tally
+from kvguard._kinds import AUTOGRAD
+from kvguard._report.tally import Tally
 
 UNPROTECTED = ("1 unprotected under other saved-tensor hooks (stretches of hooks torch.compile inlines, torch.func "
                "transforms, which refuse saved-tensor hooks, or saved tensors kvguard could not hold): what they "
@@ -72,9 +73,9 @@ def test_a_change_found_when_apply_returns_says_so() -> None:
 
 def test_the_summary_line_ends_with_what_autograd_left_unprotected() -> None:
     tally = Tally()
-    tally.begin_call(AUTOGRAD_LABEL)
-    stats = tally.target(AUTOGRAD_LABEL)
-    stats.protected, stats.graphs = 12, 2
+    tally.begin_call(AUTOGRAD.word)
+    stats = tally.target(AUTOGRAD.word)
+    stats.protected, stats.moments = 12, 2
     assert tally.lines() == ["kvguard: autograd: 12 saved tensors protected in 2 forward passes, no in-place writes"]
     stats.unprotected = 1
     assert tally.lines() == ["kvguard: autograd: 12 saved tensors protected in 2 forward passes, no in-place writes "

@@ -175,7 +175,7 @@ def test_weights_mixes_with_presets() -> None:
     from kvguard import _config
 
     settings = _config.from_env({"KVGUARD": "warn", "KVGUARD_TARGETS": "weights,slime,autograd"})
-    assert settings.weights and settings.autograd and settings.targets
+    assert "weights" in settings.kinds and "autograd" in settings.kinds and settings.targets
 
 
 def test_converting_the_model_at_the_end_of_training_is_not_a_finding(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from kvguard._report.diagnostics import WALKED, first_hints, not_guarded
 from kvguard._report.files import target_tallies
 from kvguard._report.process import PROCESS
 from kvguard._state import STATE
-from kvguard._targets import Target
+from kvguard._presets import Target
 from kvguard._text import did_you_mean, say
 
 _MARK = "__kvguard_target__"

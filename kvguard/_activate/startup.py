@@ -76,7 +76,7 @@ def _start() -> None:
     if not settings.active or STATE.started:
         return
     STATE.settings, STATE.started = settings, True
-    if not settings.targets and not settings.autograd and not settings.weights and not settings.data:
+    if not settings.targets and not settings.kinds:
         say("kvguard: KVGUARD is on but KVGUARD_TARGETS names no function to guard")
         return
     from kvguard import _ranks
@@ -90,18 +90,12 @@ def _start() -> None:
         writer_for(settings.report_dir, "KVGUARD_REPORT_DIR", output()[1])
     _importhook.install(settings.targets, settings.action, settings.keys, settings.ignore, settings.allow,
                         settings.calls, settings.level)
-    if settings.autograd:
-        from kvguard._activate import autograd as _autograd
+    if settings.kinds:
+        from kvguard._activate.process_kind import activation_of
+        from kvguard._kinds import KINDS
 
-        _autograd.install(settings)
-    if settings.weights:
-        from kvguard._activate import weights as _weights
-
-        _weights.install(settings)
-    if settings.data:
-        from kvguard._activate import data as _data
-
-        _data.install(settings)
+        for word in settings.kinds:
+            activation_of(KINDS[word]).install(KINDS[word], settings)
     atexit.register(_print_summary)
 
 
@@ -111,34 +105,24 @@ def _print_summary() -> None:
     from kvguard._report.files import ReportWriter
     from kvguard._report.process import PROCESS
 
-    if STATE.autograd is not None:
-        from kvguard._activate import autograd as _autograd
+    from kvguard._activate.process_kind import activation_of
+    from kvguard._kinds import DATA, KINDS
 
-        _autograd.stop()
-    if STATE.weights is not None:
-        from kvguard._activate import weights as _weights
-
-        _weights.stop()
-    if STATE.data is not None:
-        from kvguard._activate import data as _data
-
-        _data.stop()
+    settings = STATE.settings
+    kinds = [KINDS[word] for word in settings.kinds]
+    for kind in kinds:
+        activation_of(kind).stop(kind)
     if not STATE.patched and not PROCESS.tally.held_anything() and _is_helper_process():
         return  # torchrun's agent, a DataLoader worker: not where the targets run
-    if not STATE.patched and not STATE.settings.autograd and not STATE.settings.weights and _data_worker():
+    if not STATE.patched and set(settings.kinds) <= {DATA.word} and _data_worker():
         return  # a spawned DataLoader worker: it said its line as it ended, and wrote its summary
-    settings = STATE.settings
-    words_only = not settings.targets and not PROCESS.tally.calls  # `autograd`, `weights`, `data`: no function
+    words_only = not settings.targets and not PROCESS.tally.calls  # kinds only (`autograd`, ...): no function
     if not words_only:
         say("\n".join(PROCESS.tally.lines(_ranks.rank_tag(), calls=str(settings.calls))))
     tag = f"kvguard [{_ranks.rank_tag()}]" if _ranks.rank_tag() else "kvguard"
     torch_here = "torch" in sys.modules  # not: a launcher's helper (multiprocessing's resource tracker)
-    if settings.autograd and torch_here and not PROCESS.tally.counted("autograd"):
-        say(f"{tag}: autograd: the guard never started here, so nothing was saved for backward")
-    if settings.weights and torch_here:
-        from kvguard._activate import weights as _weights
-
-        for line in _weights.exit_lines(tag, PROCESS.tally.counted("weights")):
+    for kind in kinds if torch_here else ():
+        for line in activation_of(kind).exit_lines(kind, tag, PROCESS.tally.counted(kind.word)):
             say(line)
     for line in diagnostics(STATE, PROCESS, any(isinstance(x, ReportWriter) for x in PROCESS.listeners)):
         say(line)

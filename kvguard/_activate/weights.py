@@ -22,10 +22,15 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
+from kvguard._activate import process_kind
+from kvguard._kinds import WEIGHTS, Kind
 from kvguard._state import STATE
 from kvguard._text import plural, say
+
+if TYPE_CHECKING:
+    from kvguard._config import Settings
 
 _FRAMES = 12  # caller frames searched for the modules that hold an optimizer's parameters
 _watched: weakref.WeakSet[Any] = weakref.WeakSet()  # the optimizers the weights guard holds
@@ -33,7 +38,7 @@ _unwatched: list[str] = []  # what could not be watched, for the exit line: `SGD
 _stderr_fd: Optional[int] = None  # the process's stderr as it was at start-up (before any capture)
 
 
-def install(settings: Any) -> None:
+def install(kind: Kind, settings: Settings) -> None:
     """Wrap `torch.optim.Optimizer.__init__` when torch is imported (now, if it is already)."""
     import wrapt
 
@@ -95,14 +100,12 @@ def _patch_loads(module_class: Any, settings: Any) -> None:
 def _guard(settings: Any) -> Any:
     """The process's weights guard, entered on first use."""
     from kvguard._guard.module import ModuleGuard
-    from kvguard._report.tally import WEIGHTS_LABEL
 
-    guard = STATE.weights
+    guard = STATE.kinds.get(WEIGHTS.word)
     if guard is None:
-        guard = ModuleGuard([], (), name=WEIGHTS_LABEL, action=settings.action, allow=settings.allow or None,
-                            target=WEIGHTS_LABEL)
-        guard._account.label = WEIGHTS_LABEL
-        STATE.weights = guard.__enter__()
+        guard = ModuleGuard([], (), name=WEIGHTS.word, action=settings.action, allow=settings.allow or None,
+                            target=WEIGHTS.word)
+        STATE.kinds[WEIGHTS.word] = guard.__enter__()
     return guard
 
 
@@ -231,7 +234,7 @@ def _captured(fd: int) -> bool:
     return (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino)
 
 
-def exit_lines(tag: str, watched: bool) -> list[str]:
+def exit_lines(kind: Kind, tag: str, watched: bool) -> list[str]:
     """The exit lines about what could not be watched, or that nothing was (`watched`: whether the
     weights guard counted anything)."""
     lines = []
@@ -274,9 +277,4 @@ def _holders(optimizer: Any, frame: Any, groups: Optional[list[int]] = None
     return chosen, loose
 
 
-def stop() -> None:
-    """Leave the process's weights guard (at exit): its counts go into the summary."""
-    from kvguard._activate.process_guards import leave
-
-    guard, STATE.weights = STATE.weights, None
-    leave(guard, "weights guard")
+stop = process_kind.stop  # the weights guard is left as every kind's is

@@ -18,7 +18,8 @@ from typing import Any, Collection, Literal, Optional
 
 from kvguard._errors import GuardWarning
 from kvguard._guard.guard import Guard
-from kvguard._report.tally import AUTOGRAD_LABEL, unprotected_text
+from kvguard._kinds import AUTOGRAD
+from kvguard._report.tally import unprotected_text
 from kvguard._text import plural
 
 
@@ -28,6 +29,7 @@ class AutogradGuard(Guard):
     # Writes torch makes on purpose and undoes before backward reads them (gradcheck's
     # perturbation): allowed with no setting, as data in `kvguard._intended`.
     intended_for = "autograd"
+    kind = AUTOGRAD
 
     def __init__(self, *, name: Optional[str] = None, action: Optional[str] = "raise",
                  allow: Optional[Collection[str]] = None, report_dir: Optional[str | os.PathLike[str]] = None,
@@ -36,7 +38,6 @@ class AutogradGuard(Guard):
         super().__init__([], name=name or "autograd", action=action, allow=allow,
                          report_dir=report_dir, target=target, level="full", fingerprint=False)
         self.delegated = False  # other saved-tensor hooks were active: nothing protected
-        self._account.label = AUTOGRAD_LABEL  # counted as `autograd`, from code or KVGUARD_TARGETS
         self._hooks: Any = None
         self._outer: Any = None  # the SavedSet of a guard_autograd this one was entered inside
         self.inside_func_transform = False  # entered where saved-tensor hooks are refused (torch.func)

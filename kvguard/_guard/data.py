@@ -20,7 +20,7 @@ import weakref
 from typing import Any, Callable, Collection, Literal, Optional
 
 from kvguard._guard.guard import Guard
-from kvguard._report.tally import DATA_LABEL
+from kvguard._kinds import DATA
 
 _MARK = "__kvguard_data__"
 _active: list[DataGuard] = []  # the data guards entered now, in any thread
@@ -31,12 +31,13 @@ _lock = threading.Lock()
 class DataGuard(Guard):
     """A guard over every tensor a dataset returns while it is active. Use `guard_data()`."""
 
+    kind = DATA
+
     def __init__(self, *, name: Optional[str] = None, action: Optional[str] = "raise",
                  allow: Optional[Collection[str]] = None, report_dir: Optional[str | os.PathLike[str]] = None,
                  target: Optional[str] = None) -> None:
-        super().__init__([], name=name or DATA_LABEL, action=action, allow=allow, report_dir=report_dir,
+        super().__init__([], name=name or DATA.word, action=action, allow=allow, report_dir=report_dir,
                          target=target, level="full", fingerprint=False)
-        self._account.label = DATA_LABEL  # counted as `data`, from code or KVGUARD_TARGETS
         self._events_before = 0  # in a forked DataLoader worker: the events the parent's copy had
 
     def _new_protected(self) -> Any:

@@ -24,10 +24,11 @@ from kvguard._guard.allow import Allowlist
 from kvguard._guard.allow import boundaries as allow_boundaries
 from kvguard._guard.allow import said_by_target as allow_said
 from kvguard._guard.target import caller_name, check_target
+from kvguard._kinds import Kind
 from kvguard._protect import frames as _frames
 from kvguard._report.account import CallAccount
 from kvguard._report import render as _render
-from kvguard._report.events import GuardReport, MutationEvent, detail_line, format_event
+from kvguard._report.events import REPORTED_WHEN_ALLOWED, GuardReport, MutationEvent, detail_line, format_event
 from kvguard._report.process import PROCESS
 from kvguard._text import say
 
@@ -43,6 +44,9 @@ class Guard:
 
     # Whose well-known intended writers (`kvguard._intended`) it lets through: "weights", "autograd".
     intended_for: Optional[str] = None
+    # The process-wide kind it is (`kvguard._kinds`), whose word it is counted under however it
+    # was made; None: counted under its target, else its name (a kind's env guard passes its word).
+    kind: Optional[Kind] = None
 
     def __init__(self, obj: Any, *, name: Optional[str] = None, action: Optional[str] = "raise",
                  keys: Optional[Collection[Any]] = None, ignore: Optional[Collection[Any]] = None,
@@ -72,7 +76,8 @@ class Guard:
         # user's code, kept for integrations (the pytest plugin fails the test with them).
         self.unraised_warnings: list[Warning] = []
         self.keys_seen: frozenset[Any] = frozenset()  # top-level keys the object held (set at exit)
-        self._account = CallAccount(target or self.name, report_dir)  # its counts, once entered
+        # its counts, once entered: a kind's under its word, from code or KVGUARD_TARGETS alike
+        self._account = CallAccount(self.kind.word if self.kind is not None else target or self.name, report_dir)
         self.protected_count = 0  # tensors protected over the guard's life (set at exit)
         # Set at exit when the guarded code did nothing here and an integration says it does
         # not run in this process (`_ranks.register_not_run_check`): the call is then counted
@@ -183,7 +188,7 @@ class Guard:
             self.keys_seen = frozenset(self._protected.keys_seen)
             self.protected_count = self._protected.protected_count
             self.not_run = self._not_run_reason(exc_type, unobserved)
-            self._account.close(self.protected_count, self.not_run, self._protected.graphs, self._protected.steps,
+            self._account.close(self.protected_count, self.not_run, self._moments(),
                                 getattr(self._protected, "unprotected", 0))
             self._protected.close()
             self._protected = self._attachment = None
@@ -306,7 +311,7 @@ class Guard:
         reduction reaching memory held under two paths a second time (`reduced_twice`) and an op
         reading memory it writes elsewhere (`self_overlap`): the write is meant, how it lands is not."""
         reached = functools.partial(self._tensors_at, event.path)  # asked only of a writer found running
-        if event.kind in ("alias", "reduced_twice", "self_overlap"):
+        if event.kind in REPORTED_WHEN_ALLOWED:
             allowed = self.allow.block_reason() or self.allow.intended_reason(reached)
         else:
             allowed = self.allow.reason(event.path, reached)
@@ -334,7 +339,7 @@ class Guard:
         if never is not None:  # an allow= the user thinks covers this write
             self._warn(f"kvguard.guard({self.name}): {never}", GuardWarning, event.filename, event.lineno)
         protected = self._protected  # None at exit: what it found then has no forward pass or step
-        self._account.event(event, *((protected.graphs, protected.steps) if protected is not None else ()))
+        self._account.event(event, self._moments() if protected is not None else None)
         if self.options.keep is None or len(self.report.events) < self.options.keep:
             self.report.events.append(event)
         else:
@@ -349,6 +354,11 @@ class Guard:
         if self.action == "warn" and PROCESS.first_sighting(event):  # later writes at the site: counted
             _render.print_event(event, tag=_ranks.rank_tag())
             self._warn(event.headline(), MutationWarning, event.filename, event.lineno)
+
+    def _moments(self) -> int:
+        """The protected set's forward passes or optimizer steps so far (a kind's moments; 0 elsewhere)."""
+        protected = self._protected
+        return int(protected.graphs or protected.steps) if protected is not None else 0
 
     # -- pause and resume: a guarded generator's or coroutine's body between its steps ---------
 

@@ -8,7 +8,8 @@ from typing import Optional
 from kvguard._report import files as _files
 from kvguard._report.events import MutationEvent
 from kvguard._report.process import PROCESS
-from kvguard._report.tally import AUTOGRAD_LABEL, WEIGHTS_LABEL, Tally
+from kvguard._kinds import kind_of
+from kvguard._report.tally import Tally
 
 
 class CallAccount:
@@ -34,10 +35,11 @@ class CallAccount:
         for tally in self._tallies[1:]:
             tally.begin_call(self.label)
 
-    def event(self, event: MutationEvent, graphs: Optional[int] = None, steps: Optional[int] = None) -> None:
-        """Count a write; `graphs` and `steps` are the guard's forward passes and optimizer steps so far
-        (None: not known, at exit), for what autograd saved and for the weights."""
-        moment = graphs if self.label == AUTOGRAD_LABEL else steps if self.label == WEIGHTS_LABEL else None
+    def event(self, event: MutationEvent, moments: Optional[int] = None) -> None:
+        """Count a write; `moments`: a process-wide kind's forward passes or optimizer steps so far
+        (None: not known, at exit), by which its exit line dates the write."""
+        kind = kind_of(self.label)
+        moment = moments if kind is not None and kind.moment is not None else None
         for tally in self._tallies:
             tally.add(event, self.call, self.label, moment)
 
@@ -45,16 +47,14 @@ class CallAccount:
         for tally in self._tallies:
             tally.allow(reason, self.label)
 
-    def close(self, protected: int, not_run: Optional[str], graphs: int = 0, steps: int = 0,
-              unprotected: int = 0) -> None:
-        """The call is done: it protected `protected` tensors (saved in `graphs` forward passes, for
-        `guard_autograd`, which left `unprotected` stretches or tensors unprotected), or did not run
-        here (`not_run`, why)."""
+    def close(self, protected: int, not_run: Optional[str], moments: int = 0, unprotected: int = 0) -> None:
+        """The call is done: it protected `protected` tensors (over `moments` forward passes or
+        optimizer steps, for a process-wide kind; `guard_autograd` may have left `unprotected`
+        stretches or tensors unprotected), or did not run here (`not_run`, why)."""
         for tally in self._tallies:
             if not_run is None:
                 tally.target(self.label).protected += protected
-                tally.target(self.label).graphs += graphs
-                tally.target(self.label).steps += steps
+                tally.target(self.label).moments += moments
                 tally.target(self.label).unprotected += unprotected
             else:
                 tally.not_run_call(self.label, not_run)

@@ -17,7 +17,7 @@ from kvguard._presets import PRESETS, Preset, PresetTarget, is_preset, missing_r
 from kvguard._report.process import ProcessReport
 from kvguard._report.tally import TargetStats, not_run_reasons
 from kvguard._state import State
-from kvguard._targets import Target
+from kvguard._presets import Target
 from kvguard._text import plural
 
 WALKED = "mappings, sequences, dataclasses, SimpleNamespaces and pytree nodes"  # what `kvguard._protect.tree` walks
@@ -152,6 +152,8 @@ def _preset_lines(targets: Iterable[Target], state: State, process: ProcessRepor
         preset = PRESETS[name]
         label = f"kvguard: preset {preset.name}"
         if preset.package not in sys.modules:
+            if name in state.settings.implied_presets:
+                continue  # `all` guards each framework the process imports: this one it never did
             lines.append(f"{label}: this process never imported {preset.package}, so none of its "
                          f"{plural(len(by_slot), 'function')} was guarded here")
             continue

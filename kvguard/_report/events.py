@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional
+from typing import Any, Literal, Optional, get_args
 
 from kvguard._text import plural
 
-REDUCED_TWICE = "reduced_twice"  # the event kinds named here (kvguard._engine.judge finds them)
-SELF_OVERLAP = "self_overlap"
+# What an event found, one word each; `MutationEvent`'s docstring says what each means, and
+# docs/reports.md's list is tested against this one (tests/test_docs.py).
+EventKind = Literal["write", "metadata", "repoint", "unobserved", "version", "alias", "reduced_twice",
+                    "self_overlap"]
+EVENT_KINDS: tuple[EventKind, ...] = get_args(EventKind)
+REDUCED_TWICE: EventKind = "reduced_twice"  # the kinds named in code elsewhere (kvguard._engine.judge finds them)
+SELF_OVERLAP: EventKind = "self_overlap"
+# Reported even where the path is allowed (`allow=`), as only a `kvguard.allow` block allows
+# them: the write is meant, how it lands is not.
+REPORTED_WHEN_ALLOWED: frozenset[EventKind] = frozenset({"alias", REDUCED_TWICE, SELF_OVERLAP})
 
 @dataclasses.dataclass(frozen=True)
 class MutationEvent:
@@ -32,7 +40,7 @@ class MutationEvent:
 
     path: str
     op: str
-    kind: str
+    kind: EventKind
     blocked: bool
     filename: str
     lineno: int
@@ -152,7 +160,7 @@ def event_details(ev: MutationEvent) -> list[tuple[str, str]]:
         rows.append(("backward", SAVED_COUNTER if ev.kind == "version" else
                      SAVED_DATA if ev.op == "Tensor.data assignment" else
                      SAVED_UNVERSIONED if ev.unversioned else SAVED_WRITE))
-    if ev.blocked and ev.kind in ("alias", REDUCED_TWICE, SELF_OVERLAP):
+    if ev.blocked and ev.kind in REPORTED_WHEN_ALLOWED:
         rows.append(("shared" if ev.kind == "alias" else "reduced" if ev.kind == REDUCED_TWICE else "overlap",
                      ev.diff))
     if ev.blocked:

@@ -16,7 +16,8 @@ from typing import Any, Iterator, Optional
 
 from kvguard._paths import collapse
 from kvguard._report.files import FILE_PREFIX, SCHEMA
-from kvguard._report.tally import DATA_LABEL, short_site, unprotected_text
+from kvguard._kinds import DATA
+from kvguard._report.tally import short_site, unprotected_text
 from kvguard._text import plural
 
 Record = dict[str, Any]
@@ -196,7 +197,7 @@ def _protected_nothing(summary: Record) -> bool:
 
 def _data_stats(summary: Record) -> dict[str, Any]:
     targets = summary.get("targets")
-    stats = targets.get(DATA_LABEL) if isinstance(targets, dict) else None
+    stats = targets.get(DATA.word) if isinstance(targets, dict) else None
     return stats if isinstance(stats, dict) else {}
 
 
@@ -212,7 +213,7 @@ def _data_only(summary: Record) -> bool:
     targets = summary.get("targets")
     called = [label for label, stats in (targets.items() if isinstance(targets, dict) else ())
               if isinstance(stats, dict) and _count(stats.get("calls"))]
-    return called == [DATA_LABEL]
+    return called == [DATA.word]
 
 
 def _target_rows(summaries: list[Record]) -> list[dict[str, Any]]:
@@ -224,10 +225,12 @@ def _target_rows(summaries: list[Record]) -> list[dict[str, Any]]:
             if not isinstance(stats, dict):
                 continue
             row = rows.setdefault(str(label), {"target": str(label), "calls": 0, "protected": 0, "writes": 0,
-                                               "graphs": 0, "steps": 0, "unprotected": 0})
-            for name in ("calls", "protected", "writes", "graphs", "steps", "unprotected"):
+                                               "moments": 0, "unprotected": 0})
+            for name in ("calls", "protected", "writes", "moments", "unprotected"):
                 if row[name] is not None:
                     row[name] += _count(stats.get(name))
+            # written before 0.3: a kind's moments as `graphs` (autograd) or `steps` (weights)
+            row["moments"] += _count(stats.get("graphs")) + _count(stats.get("steps"))
             if "writes" not in stats:  # written by kvguard 0.2: per-target writes unknown
                 row["writes"] = None
     return list(rows.values())

@@ -15,7 +15,8 @@ from typing import Any, Iterator, Optional
 
 from kvguard._report.events import (  # the plain and rich text of events lives with them
     MutationEvent, _clip_value, format_event, rich_event)
-from kvguard._report.tally import PROCESS_LABELS, display_label, watched
+from kvguard._kinds import kind_of
+from kvguard._report.tally import display_label
 from kvguard._text import plural
 
 MAX_WRITE_BYTES = 4000  # a pipe write up to PIPE_BUF (4 KiB) is atomic on Linux
@@ -89,9 +90,9 @@ def run_report(run: dict[str, Any], width: Any = None) -> str:
 
 def _target_line(row: dict[str, Any]) -> str:
     """`m:f(rollout_data): 24 guarded calls, 1,344 tensors protected, no in-place writes`, across processes."""
-    if row["target"] in PROCESS_LABELS:  # one guard per process: passes or steps, not calls
-        line = f"{row['target']}: " + watched(row["target"], row["protected"], row.get("graphs") or 0,
-                                              row.get("steps") or 0)
+    kind = kind_of(row["target"])
+    if kind is not None:  # one guard per process: passes or steps, not calls
+        line = f"{row['target']}: " + kind.watched(row["protected"], row.get("moments") or 0)
         if row["writes"] is not None:
             line += (f", {plural(row['writes'], 'write')}" if row["writes"] else
                      ", no in-place writes to them" if row.get("unprotected") else ", no in-place writes")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Optional
 
+from kvguard._kinds import KINDS, kind_of
 from kvguard._paths import collapse
 from kvguard._text import plural
 
@@ -32,8 +33,7 @@ class TargetStats:
         self.unguarded_calls = 0  # calls KVGUARD_CALLS left out
         self.unguardable: dict[str, int] = {}  # calls skipped, by the argument's type
         self.protected = 0  # tensors protected over all calls
-        self.graphs = 0  # forward passes that saved tensors (`guard_autograd` only)
-        self.steps = 0  # optimizer steps (KVGUARD_TARGETS=weights only)
+        self.moments = 0  # a process-wide kind's moments: forward passes, optimizer steps (`Kind.moment`)
         # stretches under other saved-tensor hooks that `guard_autograd` left unprotected, and saved
         # tensors it could not hold: what they saved was not looked at
         self.unprotected = 0
@@ -54,8 +54,8 @@ class TargetStats:
     def as_record(self) -> dict[str, Any]:
         return {"calls": self.calls, "unguarded_calls": self.unguarded_calls,
                 "unguardable_calls": sum(self.unguardable.values()), "protected": self.protected,
-                "not_run_calls": sum(self.not_run.values()), "writes": self.writes, "graphs": self.graphs,
-                "steps": self.steps, "unprotected": self.unprotected}
+                "not_run_calls": sum(self.not_run.values()), "writes": self.writes, "moments": self.moments,
+                "unprotected": self.unprotected}
 
 
 class SiteStats:
@@ -64,7 +64,7 @@ class SiteStats:
     def __init__(self, event: MutationEvent, call: int, moment: Optional[int] = None) -> None:
         self.first = event
         self.first_call = call
-        self.first_moment = moment  # a process guard's forward pass or optimizer step (`Tally.add`)
+        self.first_moment = moment  # a process-wide kind's forward pass or optimizer step (`Tally.add`)
         self.last_call = 0
         self.calls = 0
         self.last_moment: Optional[int] = None
@@ -94,8 +94,8 @@ class SiteStats:
     def line(self, label: str = "") -> str:
         """`loss.py:775 aten.mul_.Tensor: 10,240 writes to rollout_data['kl'][*] in 10 calls (first: ...)`.
 
-        A process guard has one call: what autograd saved counts forward passes instead,
-        the weights optimizer steps (`... (first: model.fc.weight, after optimizer step 2)`).
+        A process-wide kind has one call: its moments are said instead (`... in 3 forward passes
+        (first: <saved by ...>, forward pass 2)`, `... (first: model.fc.weight, after optimizer step 2)`).
         """
         paths = ", ".join(sorted(self.paths, key=lambda p: -self.paths[p])[:3])
         if len(self.paths) > 3:
@@ -105,14 +105,10 @@ class SiteStats:
         head = f"{self.first.site} {self.first.op}: {what} to {paths}"
         moment = self.first_moment
         more = self._more()
-        if label == AUTOGRAD_LABEL:
-            return head + (f" in {plural(self.moments, 'forward pass', 'forward passes')} "
-                           f"(first: {self.first.path}, forward pass {moment}{more})" if moment else
-                           f" (first: {self.first.path}{more})")
-        if label == WEIGHTS_LABEL:
-            when = "" if moment is None else (", before the first optimizer step" if moment == 0 else
-                                              f", after optimizer step {moment}")
-            return head + f" (first: {self.first.path}{when}{more})"
+        kind = kind_of(label)
+        if kind is not None and kind.moment is not None:
+            counted = f" {kind.moment.count(self.moments)}" if kind.moment.at_sites and moment else ""
+            return head + f"{counted} (first: {self.first.path}{kind.first_when(moment)}{more})"
         return head + f" in {plural(self.calls, 'call')} (first: {self.first.path}, call {self.first_call}{more})"
 
     def _more(self) -> str:
@@ -180,7 +176,7 @@ class Tally:
     def add(self, event: MutationEvent, call: int, label: Optional[str] = None, moment: Optional[int] = None) -> None:
         """Count a write at its site, in the process's counts and in those of target `label`.
 
-        `moment`: for a process guard (`PROCESS_LABELS`), the forward pass or optimizer step
+        `moment`: for a process-wide kind (`kvguard._kinds`), the forward pass or optimizer step
         the write came in, where its exit line speaks of those rather than of its one call.
         """
         key = (event.filename, event.lineno, event.op)
@@ -224,7 +220,7 @@ class Tally:
         """Whether a guarded call ran or a process guard (`autograd`, `weights`, `data`) held a
         tensor or saw a write: entering a process guard alone is not that."""
         return any(stats.protected or stats.sites or stats.allowed or stats.unprotected
-                   or (label not in PROCESS_LABELS and stats.active) for label, stats in self.targets.items())
+                   or (label not in KINDS and stats.active) for label, stats in self.targets.items())
 
     def counted(self, label: str) -> bool:
         """Whether a guard under `label` was entered (and counted) in this process."""
@@ -242,34 +238,9 @@ class Tally:
                 "not_run": self.not_run}
 
 
-AUTOGRAD_LABEL = "autograd"  # what `guard_autograd` counts under, from code or KVGUARD_TARGETS
-WEIGHTS_LABEL = "weights"  # what KVGUARD_TARGETS=weights counts under
-DATA_LABEL = "data"  # what `guard_data` counts under, from code or KVGUARD_TARGETS
-PROCESS_LABELS = (AUTOGRAD_LABEL, WEIGHTS_LABEL, DATA_LABEL)  # one guard per process: no calls to count
-
-
-# A process guard that never held a tensor (a launcher that imports torch, a main process whose
-# DataLoader workers did the loading) says that, not "no in-place writes".
-NOTHING_SEEN = {
-    AUTOGRAD_LABEL: "no forward pass saved a tensor for backward here, so no write was checked",
-    DATA_LABEL: "no dataset returned a tensor here, so no write was checked (DataLoader workers say their own)",
-}
-
-
 def display_label(label: str) -> str:
     """A target as it was named (`m:f(rollout_data)`, `autograd`); a guard made in code by its name."""
-    return label if ":" in label or label in PROCESS_LABELS else f"kvguard.guard({label})"
-
-
-def watched(label: str, protected: int, graphs: int, steps: int) -> str:
-    """What a process guard watched (`autograd`, `weights`): `1,204 saved tensors protected in 12
-    forward passes`, `148 parameters and buffers watched over 12 optimizer steps`."""
-    if label == DATA_LABEL:
-        return f"{plural(protected, 'tensor')} returned by datasets protected"
-    if label == AUTOGRAD_LABEL:
-        return f"{plural(protected, 'saved tensor')} protected in {plural(graphs, 'forward pass', 'forward passes')}"
-    return (f"{plural(protected, 'parameter and buffer', 'parameters and buffers')} watched "
-            + (f"over {plural(steps, 'optimizer step')}" if steps else "(no optimizer step)"))
+    return label if ":" in label or label in KINDS else f"kvguard.guard({label})"
 
 
 def unprotected_text(count: int) -> str:
@@ -284,11 +255,12 @@ def _head(stats: TargetStats, sites: dict[SiteKey, SiteStats], calls: Optional[s
     for what autograd saved, `1,204 saved tensors protected in 12 forward passes, no in-place writes` (and
     what it left unprotected at the end, `; 2 unprotected under ...: ... not looked at`); for
     the weights, `148 parameters and buffers watched over 12 optimizer steps, no in-place writes`."""
-    if label in PROCESS_LABELS:
+    kind = kind_of(label)
+    if kind is not None:
         writes = sum(site.writes for site in sites.values())
-        if not (stats.protected or sites or stats.allowed or stats.unprotected) and label in NOTHING_SEEN:
-            return NOTHING_SEEN[label]  # never "no in-place writes" of what was never looked at
-        return (watched(label, stats.protected, stats.graphs, stats.steps)
+        if not (stats.protected or sites or stats.allowed or stats.unprotected) and kind.nothing_seen:
+            return kind.nothing_seen  # never "no in-place writes" of what was never looked at
+        return (kind.watched(stats.protected, stats.moments)
                 + (f", {plural(writes, 'write')} at {plural(len(sites), 'site')}" if sites else
                    ", no in-place writes to them" if stats.unprotected else ", no in-place writes")
                 + (f", {sum(stats.allowed.values()):,} allowed" if stats.allowed else "")
