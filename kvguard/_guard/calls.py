@@ -24,7 +24,7 @@ import itertools
 import os
 import types
 from typing import (Any, AsyncGenerator, Callable, Collection, Coroutine, Final, Generator, Literal, Optional, Protocol,
-                    TypeVar)
+                    TypeVar, cast)
 
 from kvguard._config import check_action, guard_defaults, parse_level
 from kvguard._errors import MutationError
@@ -80,7 +80,7 @@ def wrap(fn: F, argname: str, start: Start, who: str, finish: Optional[Finish] =
         wrapper = _plain_wrapper(fn, guard_for, done, who)
     from kvguard._torch import outside_dynamo  # imports torch, as the code it wraps does
 
-    return outside_dynamo(functools.wraps(fn)(wrapper))  # type: ignore[no-any-return]
+    return cast(F, outside_dynamo(functools.wraps(fn)(wrapper)))  # a wrapper of `fn`'s form
 
 
 def guarded(argname: str, *, name: Optional[str] = None, action: str = "raise",

@@ -7,7 +7,7 @@ came from (an argument, or the environment variable).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Collection, Optional
+from typing import Collection, Iterable, Optional, Union
 
 from kvguard import _intended
 from kvguard._config import DEFAULT_MAX_EVENTS, GuardDefaults, check_action, guard_defaults, parse_level
@@ -21,15 +21,15 @@ class Options:
     action: str
     level: str  # "full" (every op and the boundaries) or "light" (the boundaries only)
     fingerprint: bool  # compare values by digest at the boundaries
-    keys: Optional[tuple[Any, ...]]  # protect only these top-level keys; None: all
+    keys: Optional[tuple[object, ...]]  # protect only these top-level keys; None: all
     keys_from: str  # where `keys` came from, for the warning when one never appears
-    ignore: tuple[Any, ...]
+    ignore: tuple[object, ...]
     allow: Allowlist
     keep: Optional[int]  # events kept in the report (None: all)
 
 
 def resolve(action: Optional[str], level: Optional[str], fingerprint: Optional[bool],
-            keys: Optional[Collection[Any]], ignore: Optional[Collection[Any]],
+            keys: Optional[Collection[object]], ignore: Optional[Collection[object]],
             allow: Optional[Collection[str]], target: Optional[str], intended_for: Optional[str] = None) -> Options:
     """The options of a new guard (`target`: the env target it guards, if any; `intended_for`: the
     target whose well-known intended writers it lets through, `kvguard._intended`)."""
@@ -55,7 +55,7 @@ def resolve(action: Optional[str], level: Optional[str], fingerprint: Optional[b
                              _intended.unread(intended_for) if intended_for else ()), keep)
 
 
-def _as_keys(keys: Any, what: str) -> Optional[tuple[Any, ...]]:
+def _as_keys(keys: Union[int, Iterable[object], None], what: str) -> Optional[tuple[object, ...]]:
     if keys is None:
         return None
     if isinstance(keys, (str, bytes, int)):

@@ -19,16 +19,19 @@ import platform
 import socket
 import sys
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from kvguard import _config, _ranks
 from kvguard._config import DEFAULT_MAX_EVENTS
 from kvguard._errors import ConfigError
 from kvguard._report.diagnostics import diagnostics
-from kvguard._report.process import PROCESS
+from kvguard._report.process import PROCESS, GuardView
 from kvguard._report.tally import Tally, TargetStats
 from kvguard._state import STATE
 from kvguard._text import say
+
+if TYPE_CHECKING:
+    from kvguard._report.events import MutationEvent
 
 SCHEMA = 1  # raised when a field changes meaning or goes away; new fields keep it
 FILE_PREFIX = "kvguard-rank"
@@ -73,7 +76,7 @@ class ReportWriter:
             return False
         return True
 
-    def __call__(self, event: Any, guard: Any) -> None:
+    def __call__(self, event: MutationEvent, guard: GuardView) -> None:
         """An event record for a guard writing here, while under the limit."""
         if guard.report_dir != self.directory:
             return
@@ -100,7 +103,7 @@ class ReportWriter:
         self.written = self.cut = 0
         self._file = self._finished = None
 
-    def _append(self, record: dict[str, Any]) -> None:
+    def _append(self, record: dict[str, object]) -> None:
         assert self._file is not None
         line = (json.dumps(record, default=str, ensure_ascii=False) + "\n").encode()
         os.makedirs(self.directory, exist_ok=True)
@@ -238,9 +241,9 @@ def unusable(directory: str) -> Optional[str]:
     return None
 
 
-def _who(kind: str, info: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def _who(kind: str, info: Optional[dict[str, object]] = None) -> dict[str, object]:
     """The fields every record starts with; headers and summaries add the rank's full tags."""
-    record: dict[str, Any] = {"schema": SCHEMA, "record": kind, "run": _ranks.run_id(), "time": time.time(),
+    record: dict[str, object] = {"schema": SCHEMA, "record": kind, "run": _ranks.run_id(), "time": time.time(),
                               "host": socket.gethostname(), "pid": os.getpid()}
     info = info if info is not None else _ranks.rank_info()
     record["rank"] = info.get("rank")

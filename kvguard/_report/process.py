@@ -3,12 +3,35 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from kvguard._report.tally import SiteKey, Tally, TargetStats
 from kvguard._text import say
 
-Listener = Callable[[Any, Any], None]  # (MutationEvent, Guard)
+if TYPE_CHECKING:
+    from kvguard._report.events import MutationEvent
+
+
+class GuardView(Protocol):
+    """What a listener reads of the guard an event is of (a `Guard`, from the room above)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def target(self) -> Optional[str]: ...
+
+    @property
+    def action(self) -> str: ...
+
+    @property
+    def report_dir(self) -> Optional[str]: ...
+
+    @property
+    def call(self) -> int: ...
+
+
+Listener = Callable[["MutationEvent", GuardView], None]
 _OWN_PANEL = ("reduced_twice", "self_overlap")  # event kinds shown in a panel even after a write at their site
 
 
@@ -22,7 +45,8 @@ class ProcessReport:
         self.pid = os.getpid()  # the process these counts are of (a fork's child starts with its parent's)
         self.tally = Tally()  # every guard of the process, for the exit summary
         self.shown: set[SiteKey] = set()  # sites whose first write was printed
-        self.writers: dict[str, Any] = {}  # report directory -> its ReportWriter, None when unusable
+        # report directory -> its ReportWriter (in `files`, which imports this), None when unusable
+        self.writers: dict[str, Any] = {}
         self.listeners: list[Listener] = []
         # The last reading of the report settings, by `files.output`: (raw values, parsed).
         self.output: tuple[tuple[Optional[str], Optional[str]], tuple[Optional[str], Optional[int]]] = (
@@ -31,7 +55,7 @@ class ProcessReport:
     def target_stats(self, target: str) -> TargetStats:
         return self.tally.target(target)
 
-    def first_sighting(self, event: Any) -> bool:
+    def first_sighting(self, event: MutationEvent) -> bool:
         """Whether this is the first write at its site to be shown (a panel, a warning)."""
         # A finding of its own kind at a site (a reduction reaching shared memory twice) is shown too.
         op = event.op if event.kind not in _OWN_PANEL else f"{event.op} {event.kind}"
@@ -41,7 +65,7 @@ class ProcessReport:
         self.shown.add(key)
         return True
 
-    def publish(self, event: Any, guard: Any) -> None:
+    def publish(self, event: MutationEvent, guard: GuardView) -> None:
         """Tell every listener (report files) about an event.
 
         A listener that fails is dropped with one line on stderr: writing a report must
@@ -53,7 +77,7 @@ class ProcessReport:
             except Exception as exc:  # noqa: BLE001
                 self.drop(listener, exc)
 
-    def drop(self, listener: Any, exc: Exception) -> None:
+    def drop(self, listener: object, exc: Exception) -> None:
         """Stop sending events to a listener that failed, saying so in one line."""
         if listener in self.listeners:
             self.listeners.remove(listener)
