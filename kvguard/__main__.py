@@ -22,12 +22,15 @@ import argparse
 import os
 import shutil
 import sys
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import kvguard
 from kvguard import _config, _ranks
 from kvguard._activate import pth as _pth
 from kvguard._errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvguard._report.read import Run
 
 _BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_activate", "bootstrap")
 
@@ -86,7 +89,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
 
 
-def _command(opts: Any) -> int:
+def _command(opts: argparse.Namespace) -> int:
     if opts.command == "run":
         return _run(opts)
     if opts.command == "report":
@@ -154,7 +157,7 @@ def _discard_stdout() -> None:
     os.close(devnull)
 
 
-def _run(opts: Any) -> int:
+def _run(opts: argparse.Namespace) -> int:
     cmd = opts.cmd[1:] if opts.cmd[:1] == ["--"] else opts.cmd
     if not cmd:
         raise ConfigError("kvguard run needs a command after --")
@@ -181,7 +184,7 @@ def _run(opts: Any) -> int:
     return 127  # not reached
 
 
-def _report(opts: Any) -> int:
+def _report(opts: argparse.Namespace) -> int:
     """Print the runs in the files; 0: every run clean, 1: events, 2: no run found."""
     import json
 
@@ -207,7 +210,7 @@ def _report(opts: Any) -> int:
     return 1 if "events" in statuses else 2 if "unproven" in statuses else 0
 
 
-def _build_command(opts: Any) -> int:
+def _build_command(opts: argparse.Namespace) -> int:
     """Build or find the compiled write hook and check that it loads; 0: it is there, 1: why not (one line)."""
     from kvguard._native import build as _build
 
@@ -277,7 +280,7 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def _nothing_found(opts: Any, runs: list[Any]) -> str:
+def _nothing_found(opts: argparse.Namespace, runs: list[Run]) -> str:
     if not runs:
         return f"no kvguard report records in {opts.path}"
     named = ", ".join(run.id for run in runs[-5:])

@@ -34,7 +34,7 @@ import dis
 import inspect
 import os
 import types
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Iterator, NamedTuple, Optional
 
 from kvguard._errors import MutationError
 from kvguard._protect import frames as _frames
@@ -176,7 +176,7 @@ def _clause_at(ops: list[dis.Instruction], at: int) -> Optional[tuple[int, int]]
     return i, i + 1
 
 
-def _match(error: BaseException, values: list[Any], strict: bool) -> Optional[str]:
+def _match(error: BaseException, values: list[object], strict: bool) -> Optional[str]:
     """OWN when a class in `values` that catches `error` names MutationError, OTHER when only a
     base class catches it, PASSES when none does; None when a value is unknown (and `strict`)."""
     classes = list(_classes(values))
@@ -190,7 +190,7 @@ def _match(error: BaseException, values: list[Any], strict: bool) -> Optional[st
     return PASSES
 
 
-def _classes(values: list[Any]) -> Iterator[type]:
+def _classes(values: list[object]) -> Iterator[type]:
     for value in values:
         if isinstance(value, tuple):
             yield from _classes(list(value))
@@ -198,7 +198,7 @@ def _classes(values: list[Any]) -> Iterator[type]:
             yield value
 
 
-def _is_spec(value: Any) -> bool:
+def _is_spec(value: object) -> bool:
     if isinstance(value, tuple):
         return all(_is_spec(v) for v in value)
     return isinstance(value, type) and issubclass(value, BaseException)
@@ -217,7 +217,7 @@ def _with_cleanup(error: BaseException, frame: types.FrameType, code: _Code, ent
     return PASSES, ops[reraise].offset
 
 
-def _manager_values(frame: types.FrameType, code: _Code, entry: _Entry) -> list[Any]:
+def _manager_values(frame: types.FrameType, code: _Code, entry: _Entry) -> list[object]:
     """What the `with` statement's expression mentions: its names, attributes and call
     arguments; for a manager named directly (`with ctx:`), also what its attributes hold."""
     start = min(e.start for e in code.table if e.target == entry.target)
@@ -290,14 +290,14 @@ def _jump_target(op: dis.Instruction) -> int:
     return int(op.argval) if isinstance(op.argval, int) else -1
 
 
-def _values(frame: types.FrameType, window: list[dis.Instruction]) -> list[Any]:
+def _values(frame: types.FrameType, window: list[dis.Instruction]) -> list[object]:
     """The values of the name-and-attribute chains in `window` (`kvguard.MutationError`), in order.
 
     Attributes are read with `inspect.getattr_static`: no property, module `__getattr__`
     or descriptor of the user's runs. A chain that cannot be read is `_MISSING`.
     """
-    values: list[Any] = []
-    namespace: Optional[dict[str, Any]] = None
+    values: list[object] = []
+    namespace: Optional[dict[str, object]] = None
     for op in window:
         name = op.opname
         if name in _LOAD_NAME_OPS:
@@ -320,13 +320,13 @@ def _values(frame: types.FrameType, window: list[dis.Instruction]) -> list[Any]:
     return values
 
 
-def _global(frame: types.FrameType, name: str) -> Any:
+def _global(frame: types.FrameType, name: str) -> object:
     if name in frame.f_globals:
         return frame.f_globals[name]
     return frame.f_builtins.get(name, _MISSING)
 
 
-def _attribute(value: Any, name: str) -> Any:
+def _attribute(value: object, name: str) -> object:
     if value is _MISSING:
         return _MISSING
     try:
