@@ -16,9 +16,12 @@ Stdlib and pytest only at import: torch loads in no pytest run that does not use
 from __future__ import annotations
 
 import sys
-from typing import Any, Collection, Generator, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Collection, Generator, Iterator, Optional
 
 import pytest
+
+if TYPE_CHECKING:
+    from kvguard._guard.guard import Guard
 
 PLUGIN = "kvguard"  # the entry-point name of the plugin that `-p no:kvguard` blocks
 MARKER_HELP = ("kvguard(arg=None, *, action=None, name=None, keys=None, ignore=None, autograd=False): fail "
@@ -78,7 +81,7 @@ class OffLedger:
         if getattr(report, _REPORT_KEY, False):
             self.asked[report.nodeid] = None
 
-    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if hasattr(terminalreporter.config, "workerinput"):
             return  # an xdist worker: the controller counts
         if self.asked:
@@ -102,7 +105,7 @@ class OffFixture:
         self._item = item
 
     def protect(self, obj: Any, name: Optional[str] = None, *, action: Optional[str] = None,
-                keys: Optional[Collection[Any]] = None, ignore: Optional[Collection[Any]] = None) -> Any:
+                keys: Optional[Collection[object]] = None, ignore: Optional[Collection[object]] = None) -> Guard:
         """A `kvguard.Guard` over `obj` that is never entered: its report stays empty."""
         from kvguard._guard.guard import Guard
 

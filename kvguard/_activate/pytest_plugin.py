@@ -47,13 +47,17 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Collection, Generator, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Collection, Generator, Iterator, Optional, TypedDict
 
 import pytest
 
 from kvguard._activate.pytest_off import MARKER_HELP, OffLedger
 from kvguard._config import OFF, parse_action
 from kvguard._errors import ConfigError, MutationError, MutationWarning
+
+if TYPE_CHECKING:
+    from kvguard._guard.guard import Guard
+    from kvguard._protect.frames import Site
 
 ACTION_HELP = ("What a kvguard guard does on an in-place write to a protected tensor: raise "
                "(fail the test at the write), record (fail at the end of the test with every "
@@ -74,7 +78,7 @@ DEFAULT = "raise"
 REPORTED = ("warn", "record")  # actions whose writes go through: the test fails at its end
 
 _SETTING = pytest.StashKey[tuple[str, str]]()  # (action, where it came from)
-_GUARDS = pytest.StashKey[list[Any]]()  # guards open on a test item, in the order entered
+_GUARDS = pytest.StashKey[list["Guard"]]()  # guards open on a test item, in the order entered
 _LEDGER = pytest.StashKey[OffLedger]()  # under --kvguard=off: the tests that asked for checks
 
 
@@ -138,7 +142,7 @@ class MutationGuardFixture:
         self._item = item
 
     def protect(self, obj: Any, name: Optional[str] = None, *, action: Optional[str] = None,
-                keys: Optional[Collection[Any]] = None, ignore: Optional[Collection[Any]] = None) -> Any:
+                keys: Optional[Collection[object]] = None, ignore: Optional[Collection[object]] = None) -> Guard:
         """Guard `obj` for the rest of the test and return the `kvguard.Guard`.
 
         Without `action`, the session's setting applies. A write fails the test under
@@ -202,9 +206,18 @@ def _resolve(item: pytest.Item, action: Optional[str], where: str) -> str:
     return resolved
 
 
+class _MarkerOptions(TypedDict):
+    arg: Optional[str]
+    action: Optional[str]
+    name: Optional[str]
+    keys: Optional[Collection[object]]
+    ignore: Optional[Collection[object]]
+    autograd: bool
+
+
 def _marker_options(arg: Optional[str] = None, *, action: Optional[str] = None, name: Optional[str] = None,
-                    keys: Optional[Collection[Any]] = None, ignore: Optional[Collection[Any]] = None,
-                    autograd: bool = False) -> dict[str, Any]:
+                    keys: Optional[Collection[object]] = None, ignore: Optional[Collection[object]] = None,
+                    autograd: bool = False) -> _MarkerOptions:
     return dict(arg=arg, action=action, name=name, keys=keys, ignore=ignore, autograd=bool(autograd))
 
 
@@ -219,7 +232,7 @@ def _enter_marked(item: pytest.Item) -> None:
     action = _resolve(item, options["action"], f"@pytest.mark.kvguard on {item.name}")
     if action == OFF:
         return
-    funcargs: dict[str, Any] = getattr(item, "funcargs", {})
+    funcargs: dict[str, object] = getattr(item, "funcargs", {})
     arg = options["arg"]
     if options["autograd"]:  # what the test's forward passes save; funcargs only when `arg` names one
         from kvguard._guard.autograd import AutogradGuard
@@ -241,7 +254,7 @@ def _enter_marked(item: pytest.Item) -> None:
                            keys=options["keys"], ignore=options["ignore"]))
 
 
-def _holds_tensor(value: Any) -> bool:
+def _holds_tensor(value: object) -> bool:
     from kvguard._guard.target import guardable
     from kvguard._protect.tree import walk
 
@@ -251,12 +264,12 @@ def _holds_tensor(value: Any) -> bool:
     return bool(walk(value, "x", lambda v: isinstance(v, torch.Tensor))[0])
 
 
-def _enter(item: pytest.Item, g: Any) -> None:
+def _enter(item: pytest.Item, g: Guard) -> None:
     g.__enter__()
     item.stash.setdefault(_GUARDS, []).append(g)
 
 
-def _test_site(item: pytest.Item) -> Any:
+def _test_site(item: pytest.Item) -> Optional[Site]:
     from kvguard._protect.frames import Site
 
     function = getattr(item, "function", None)
