@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import sys
+import types
 from typing import Any, Callable, Iterable, Optional
 
 import wrapt
@@ -39,8 +40,8 @@ def install(targets: Iterable[Target], action: str, keys: Optional[tuple[str, ..
         wrapt.register_post_import_hook(_hook(target, action, keys, ignore, allow, calls, level), target.module)
 
 
-def _hook(target: Target, *options: Any) -> Callable[[Any], None]:
-    def on_import(module: Any) -> None:
+def _hook(target: Target, *options: Any) -> Callable[[types.ModuleType], None]:  # options: as `patch` takes them
+    def on_import(module: types.ModuleType) -> None:
         try:
             patch(module, target, *options)
         except Exception as exc:  # noqa: BLE001 - never break the user's import
@@ -67,8 +68,9 @@ def main_script_line(target: Target) -> str:
             f"with @kvguard.guarded({target.argname!r})")
 
 
-def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: Any = (),
-          allow: tuple[str, ...] = (), calls: Calls = Calls(), level: str = "full") -> None:
+def patch(module: types.ModuleType, target: Target, action: str, keys: Optional[tuple[str, ...]] = None,
+          ignore: tuple[str, ...] = (), allow: tuple[str, ...] = (), calls: Calls = Calls(),
+          level: str = "full") -> None:
     """Wrap `module.<qualname>` so the selected calls guard `argname`; rebind stale aliases.
 
     The wrapper is a plain function of the original's form (see `kvguard._guard.calls`; a
@@ -94,7 +96,7 @@ def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: An
     numbers = itertools.count(1)
     said_unguardable: list[bool] = []
 
-    def start(value: Any, arguments: dict[str, Any]) -> Optional[Guard]:
+    def start(value: object, arguments: dict[str, object]) -> Optional[Guard]:
         number = next(numbers)
         if value is _calls.MISSING:  # left at its default: nothing of the caller's to protect
             return None
@@ -127,7 +129,7 @@ def patch(module: Any, target: Target, action: str, keys: Any = None, ignore: An
 
 
 
-def unguardable_line(target: Target, kind: str, arguments: dict[str, Any]) -> str:
+def unguardable_line(target: Target, kind: str, arguments: dict[str, object]) -> str:
     """The line said at a target's first call whose argument holds nothing kvguard walks.
 
     Names the parameters of that call that did hold tensors: the argument the target
@@ -147,7 +149,7 @@ def _plural_of(names: list[str]) -> str:
     return "parameter that holds" if len(names) == 1 else "parameters that hold"
 
 
-def _holds_tensor(value: Any) -> bool:
+def _holds_tensor(value: object) -> bool:
     """Whether a guard of `value` would protect a tensor (walks it once; never raises)."""
     if not guardable(value):
         return False
@@ -160,12 +162,12 @@ def _holds_tensor(value: Any) -> bool:
         return False
 
 
-def _type_name(value: Any) -> str:
+def _type_name(value: object) -> str:
     kind = type(value)
     return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
-def _rebind_aliases(function: Any, wrapper: Any, skip: Any) -> list[tuple[Any, str]]:
+def _rebind_aliases(function: object, wrapper: object, skip: object) -> list[tuple[types.ModuleType, str]]:
     """Point `from x import fn` copies in other modules at the wrapper."""
     rebound = []
     for module in list(sys.modules.values()):
@@ -182,7 +184,7 @@ def _rebind_aliases(function: Any, wrapper: Any, skip: Any) -> list[tuple[Any, s
     return rebound
 
 
-def _restore(owner: Any, attr: str, original: Any, rebound: list[tuple[Any, str]]) -> None:
+def _restore(owner: object, attr: str, original: object, rebound: list[tuple[types.ModuleType, str]]) -> None:
     setattr(owner, attr, original)
     unwrapped = getattr(owner, attr)
     for module, name in rebound:
