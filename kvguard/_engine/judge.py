@@ -21,7 +21,6 @@ from kvguard._errors import MutationError
 from kvguard._protect import frames as _frames
 from kvguard._protect.entries import Change, Entry
 from kvguard._protect.protected import ProtectedSet
-from kvguard._protect.weights import ModuleSet
 from kvguard._report.events import MutationEvent
 
 FREED_DIFF = "values not compared (the tensor was freed before they could be read)"
@@ -148,10 +147,7 @@ class WriteJudge:
         self.protected = protected
         self.on_event = on_event
         self.block = block
-        from kvguard._protect.saved import SavedSet  # here: saved.py's imports reach the engines' modules
-        # What autograd saved matters only through the values backward reads: a re-pointing to
-        # the same values (a memory-format conversion) changes nothing it computes.
-        self._values_only = isinstance(protected, SavedSet)
+        self._values_only = protected.values_only  # autograd's: only the values backward reads matter
         self._reached: dict[tuple[str, int, str, int], int] = {}  # reducing op at a line on an entry: times
 
     def begin(self, func: Any, facts: _torch.OpFacts, written: Sequence[torch.Tensor],
@@ -410,7 +406,7 @@ class WriteJudge:
             filename=site.filename, lineno=site.lineno, code=site.code, function=site.function,
             placed_at=entry.placed_at, tensor=described, before=before, after=after, diff=diff,
             aliases=shared or tuple(entry.aliases), detached=entry.detached,
-            hint=hint(func, site.code, isinstance(self.protected, ModuleSet)) if blocked else "",
+            hint=hint(func, site.code, self.protected.holds_weights) if blocked else "",
             unversioned=unversioned,
         )
         self.protected.note(entry, f"{event.op} at {event.site} ({event.code})"

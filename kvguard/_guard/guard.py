@@ -189,7 +189,7 @@ class Guard:
             self.protected_count = self._protected.protected_count
             self.not_run = self._not_run_reason(exc_type, unobserved)
             self._account.close(self.protected_count, self.not_run, self._moments(),
-                                getattr(self._protected, "unprotected", 0))
+                                self._protected.unprotected)
             self._protected.close()
             self._protected = self._attachment = None
             self.obj = None

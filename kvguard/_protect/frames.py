@@ -19,11 +19,15 @@ import sysconfig
 import threading
 import types
 from collections import deque
-from typing import Any, Callable, Collection, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Collection, Iterator, NamedTuple, Optional, Sequence
 
 from kvguard._protect.tree import Attr
 
 _ANY = object()  # a key the source does not spell as a constant
+# `(container, step)` from the guarded object down to a tensor, as `tree` walks it (`Leaf.chain`).
+Chain = tuple[tuple[object, object], ...]
+# (lineno, end_lineno, col, end_col) of an instruction, as `co_positions` gives them (columns may be None).
+_Position = tuple[int, Optional[int], Optional[int], Optional[int]]
 _STORE_METHODS = frozenset({"update", "setdefault", "append", "extend", "insert", "__setitem__", "__ior__",
                             "set", "__setattr__", "appendleft", "extendleft"})
 _MAX_FRAMES = 12
@@ -38,7 +42,7 @@ CONTAINER_LIBRARIES = ("tensordict", "optree", "tree")
 # kvguard's own files, wherever it is installed: the package directory above this room.
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _skip_prefixes: Optional[tuple[str, ...]] = None
-_skip_found: tuple[Any, ...] = ()  # the modules `_skip_prefixes` was built from
+_skip_found: tuple[tuple[str, int, Optional[str]], ...] = ()  # the modules `_skip_prefixes` was built from
 
 
 def _internal_prefixes() -> tuple[str, ...]:
@@ -162,7 +166,7 @@ class located:
         self._outer = getattr(_located, "site", None)
         _located.site = self.site
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         _located.site = self._outer
 
 
@@ -217,7 +221,7 @@ def _traced_site(frame: types.FrameType) -> Optional[Site]:
 _LOCALS_SNAPSHOT = sys.version_info < (3, 13)
 
 
-def frame_namespace(frame: types.FrameType) -> dict[str, Any]:
+def frame_namespace(frame: types.FrameType) -> dict[str, object]:
     """The names visible in `frame` (its globals, then its locals), without pinning its locals.
 
     On Python <= 3.12 reading `f_locals` stores a snapshot of every local on the frame
@@ -231,14 +235,14 @@ def frame_namespace(frame: types.FrameType) -> dict[str, Any]:
     return namespace
 
 
-def _unpin_locals(frame: types.FrameType, local: dict[str, Any]) -> None:
+def _unpin_locals(frame: types.FrameType, local: dict[str, object]) -> None:
     """Empty the frame's snapshot of its locals (`frame_namespace`) when only we hold it."""
     # Held by the frame, by `local`, by this call and by getrefcount's argument: nobody else sees it.
     if _LOCALS_SNAPSHOT and frame.f_code.co_flags & inspect.CO_OPTIMIZED and sys.getrefcount(local) <= 4:
         local.clear()
 
 
-def frame_names(frame: types.FrameType, names: Collection[str]) -> dict[str, Any]:
+def frame_names(frame: types.FrameType, names: Collection[str]) -> dict[str, object]:
     """`frame_namespace` for `names` only: a trainer module's globals are not copied whole
     (that copy, per frame read, was what made a placement cost more the deeper the stack)."""
     local = frame.f_locals
@@ -266,7 +270,7 @@ def call_argument_text(frame: types.FrameType, callee_names: Collection[str]) ->
     return _argument_texts[key]
 
 
-_argument_texts: dict[tuple[Any, ...], Optional[str]] = {}
+_argument_texts: dict[tuple[types.CodeType, int, tuple[str, ...]], Optional[str]] = {}
 _MAX_REMEMBERED = 4096
 
 
@@ -293,17 +297,17 @@ def _call_argument_text(frame: types.FrameType, callee_names: Collection[str]) -
     return " ".join(text.split()) if text else None
 
 
-def _instruction_position(frame: types.FrameType) -> tuple[Any, ...]:
+def _instruction_position(frame: types.FrameType) -> _Position:
     """(lineno, end_lineno, col, end_col) of the running instruction; columns None before 3.11."""
     positions = getattr(frame.f_code, "co_positions", None)
     if positions is not None and frame.f_lasti >= 0:
         for i, position in enumerate(positions()):
             if i == frame.f_lasti // 2 and position[0] is not None:
-                return tuple(position)
+                return (position[0], position[1], position[2], position[3])
     return (frame.f_lineno, frame.f_lineno, None, None)
 
 
-def _contains(node: ast.AST, where: tuple[Any, ...]) -> bool:
+def _contains(node: ast.AST, where: _Position) -> bool:
     line, end_line, col, end_col = where
     start, stop = (node.lineno, node.col_offset), (node.end_lineno, node.end_col_offset)  # type: ignore[attr-defined]
     if col is None or end_col is None:
@@ -341,7 +345,7 @@ def drop_internal_frames(exc: BaseException) -> None:
 
 
 # A frame's stores by the object they store into: id -> [(store's position, store, object)].
-_StoresByObject = dict[int, list[tuple[int, "_Store", Any]]]
+_StoresByObject = dict[int, list[tuple[int, "_Store", object]]]
 
 
 class Placements:
@@ -359,12 +363,12 @@ class Placements:
 
     def __init__(self, frames: list[types.FrameType]) -> None:
         self._frames = frames[:_MAX_FRAMES]
-        self._read: list[Optional[tuple[types.FrameType, dict[str, Any], _StoresByObject]]] = [None] * len(self._frames)
+        self._read: list[Optional[tuple[types.FrameType, dict[str, object], _StoresByObject]]] = [None] * len(self._frames)
         # id of a tensor's container -> the answer for every tensor in it, where the answer
         # cannot depend on which tensor it is: a list of 448 placed tensors is searched once.
         self._by_container: dict[int, str] = {}
 
-    def placed_at(self, chain: tuple[tuple[Any, Any], ...], placed: Any) -> str:
+    def placed_at(self, chain: Chain, placed: object) -> str:
         """`file.py:LINE` of the statement that placed it; else of the innermost frame, "(first seen)"."""
         container = id(chain[-1][0]) if chain else None
         known = self._by_container.get(container) if container is not None else None
@@ -378,7 +382,7 @@ class Placements:
             self._by_container[container] = text
         return text
 
-    def placed_at_run(self, chain: tuple[tuple[Any, Any], ...], lst: list[Any], tensors: list[Any]) -> list[str]:
+    def placed_at_run(self, chain: Chain, lst: Sequence[object], tensors: Sequence[object]) -> list[str]:
         """`placed_at` for each tensor of a list (at `chain`): one search for all where it can."""
         if not tensors:
             return []
@@ -387,7 +391,7 @@ class Placements:
             return [first] * len(tensors)
         return [first] + [self.placed_at(chain + ((lst, i),), t) for i, t in enumerate(tensors) if i]
 
-    def site(self, chain: tuple[tuple[Any, Any], ...], placed: Any = _ANY,
+    def site(self, chain: Chain, placed: object = _ANY,
              depends: Optional[list[bool]] = None) -> Optional[Site]:
         """The statement that put `placed` where `chain` says it is, if the source shows it.
 
@@ -400,7 +404,7 @@ class Placements:
                 return found
         return None
 
-    def _frame(self, i: int) -> tuple[types.FrameType, dict[str, Any], _StoresByObject]:
+    def _frame(self, i: int) -> tuple[types.FrameType, dict[str, object], _StoresByObject]:
         read = self._read[i]
         if read is None:
             frame = self._frames[i]
@@ -415,8 +419,8 @@ class Placements:
         return read
 
 
-def _placement_in_frame(frame: types.FrameType, namespace: dict[str, Any], by_object: _StoresByObject,
-                        chain: tuple[tuple[Any, Any], ...], placed: Any,
+def _placement_in_frame(frame: types.FrameType, namespace: dict[str, object], by_object: _StoresByObject,
+                        chain: Chain, placed: object,
                         depends: Optional[list[bool]] = None) -> Optional[Site]:
     # The stores into a container of the chain, in the frame's store order, then the chain's.
     candidates = sorted((n, depth, store) for depth, (container, _) in enumerate(chain)
@@ -448,7 +452,7 @@ def _placement_in_frame(frame: types.FrameType, namespace: dict[str, Any], by_ob
     return Site(filename, best[1], frame.f_code.co_name, line)
 
 
-def _placed_at_the_end(frame: types.FrameType, chain: tuple[tuple[Any, Any], ...],
+def _placed_at_the_end(frame: types.FrameType, chain: Chain,
                        candidates: list[tuple[int, int, _Store]], depends: Optional[list[bool]]) -> Optional[int]:
     """For a tensor in a list, the line of the store that put it at its place from the list's end.
 
@@ -490,20 +494,20 @@ def _placed_at_the_end(frame: types.FrameType, chain: tuple[tuple[Any, Any], ...
     return found
 
 
-def _may_be_placed(value: Any, chain: tuple[tuple[Any, Any], ...]) -> bool:
+def _may_be_placed(value: object, chain: Chain) -> bool:
     """Whether a stored value could be one placed tensor and not another: neither nothing
     nor a container of the chain (those are the same for every tensor of a container)."""
     return value is not _ANY and not any(value is container for container, _ in chain)
 
 
-def _is_on_the_way(value: Any, chain: tuple[tuple[Any, Any], ...], depth: int, placed: Any) -> bool:
+def _is_on_the_way(value: object, chain: Chain, depth: int, placed: object) -> bool:
     """Whether a stored value is the placed tensor or a container below the store's own."""
     if value is _ANY:
         return False
     return value is placed or any(value is container for container, _ in chain[depth + 1:])
 
 
-def _same_key(a: Any, b: Any) -> bool:
+def _same_key(a: object, b: object) -> bool:
     try:
         return bool(a == b) and type(a) is type(b)
     except Exception:  # noqa: BLE001
@@ -511,7 +515,7 @@ def _same_key(a: Any, b: Any) -> bool:
 
 
 # (lineno, container name, key, names of the values it stores, its shape: `_shape`)
-_Store = tuple[int, str, Any, tuple[str, ...], Optional[tuple[int, int]]]
+_Store = tuple[int, str, object, tuple[str, ...], Optional[tuple[int, int]]]
 # A store's shape, for a list it changes: (steps from the named container down to that list or the
 # container it is stored into, and what it does at the list's end): `count` values appended, an
 # append of a size the source does not show, the list stored whole, or nothing at its end.
@@ -626,7 +630,7 @@ def _value_names(node: ast.AST) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _stores_of(node: ast.AST) -> Iterator[tuple[int, str, Any]]:
+def _stores_of(node: ast.AST) -> Iterator[tuple[int, str, object]]:
     """`(lineno, container name, key)` for each store one statement or call makes."""
     if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target]
@@ -644,7 +648,7 @@ def _stores_of(node: ast.AST) -> Iterator[tuple[int, str, Any]]:
             yield node.lineno, node.args[0].id, _attr_key(node.args[1])  # setattr(exp, "kl", x)
 
 
-def _owners(lineno: int, expr: ast.AST, key: Any = _ANY) -> Iterator[tuple[int, str, Any]]:
+def _owners(lineno: int, expr: ast.AST, key: object = _ANY) -> Iterator[tuple[int, str, object]]:
     """`(lineno, name, key)` for the named container an expression stores into.
 
     `rd["kl"] = x` and `rd["kl"].append(x)` both name `rd` with key "kl"; `lst[0] = x`
@@ -665,7 +669,7 @@ def _owners(lineno: int, expr: ast.AST, key: Any = _ANY) -> Iterator[tuple[int, 
         yield lineno, expr.id, _ANY
 
 
-def _method_stores(node: ast.Call) -> Iterator[tuple[int, str, Any]]:
+def _method_stores(node: ast.Call) -> Iterator[tuple[int, str, object]]:
     owner = node.func.value  # type: ignore[attr-defined]
     attr = node.func.attr  # type: ignore[attr-defined]
     if isinstance(owner, ast.Name) and attr in ("setdefault", "__setitem__", "set") and node.args:
@@ -687,11 +691,11 @@ def _method_stores(node: ast.Call) -> Iterator[tuple[int, str, Any]]:
         yield from _owners(node.lineno, owner)
 
 
-def _constant(node: Optional[ast.AST]) -> Any:
+def _constant(node: Optional[ast.AST]) -> object:
     return node.value if isinstance(node, ast.Constant) else _ANY
 
 
-def _attr_key(node: ast.AST) -> Any:
+def _attr_key(node: ast.AST) -> object:
     """`Attr(name)` for an attribute name spelled as a string constant, else any key."""
     name = _constant(node)
     return Attr(name) if isinstance(name, str) else _ANY

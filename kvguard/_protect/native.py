@@ -17,6 +17,7 @@ taken on another device.
 from __future__ import annotations
 
 import sys
+import types
 from types import ModuleType
 from typing import Any, Callable, Collection, Optional, Sequence
 
@@ -28,6 +29,7 @@ from kvguard._protect import frames as _frames
 from kvguard._protect import records as _records
 from kvguard._protect import tree as _tree
 from kvguard._protect.collector import collector_paused
+from kvguard._protect.contract import Added, Publisher
 from kvguard._protect.entries import Change, Entry
 from kvguard._protect.index import MemoryIndex, overlaps, storage_range
 from kvguard._protect.protected import ProtectedSet
@@ -43,7 +45,7 @@ def table_module() -> Optional[ModuleType]:
     return module if module is not None and hasattr(module, "Table") else None
 
 
-def _tensors(found: list[Any]) -> list[Any]:
+def _walked_tensors(found: list[Any]) -> list[Any]:
     """The tensors of a walk's leaves and runs, in order."""
     tensors: list[Any] = []
     for item in found:
@@ -125,16 +127,17 @@ class RowEntry(Entry):
         owner._table.set_flag(self.row, owner._explained_flag, bool(value))
 
 
-class _Added:
-    """What one look protected: rows from `first` on (and the Python-kept ones among them)."""
+class _Added(list[Entry]):
+    """What one look protected: the rows from `first` on; the list holds the Python-kept ones among them."""
 
-    __slots__ = ("first", "python")
+    __slots__ = ("first",)
 
-    def __init__(self, first: int, python: list[RowEntry]) -> None:
-        self.first, self.python = first, python
+    def __init__(self, first: int, python: list[Entry]) -> None:
+        super().__init__(python)
+        self.first = first
 
     def __bool__(self) -> bool:
-        return True
+        return True  # even with no new row: the watch changed, and the hook compares anew
 
 
 class NativeSet(ProtectedSet):
@@ -161,7 +164,7 @@ class NativeSet(ProtectedSet):
         self._dirty = False
         self._walk: tuple[int, dict[int, list[str]]] = (0, {})  # the last full walk (`_scan_now`)
         self._applied: set[int] = set()  # rows whose entry took its paths from that walk
-        self.on_index: Optional[Callable[[Any], None]] = None
+        self.on_index: Optional[Callable[[Added], None]] = None
         self.protected_count = 0
         self._fingerprint = fingerprint
         self._compiled = module
@@ -191,7 +194,7 @@ class NativeSet(ProtectedSet):
     def _add(self, found: list[Any], frames: Optional[list[Any]]) -> Any:
         """Protect newly reached tensors (a walk's leaves and runs) in one C++ call; returns what
         the hook must learn."""
-        first, again, python = self._table.add(_tensors(found))
+        first, again, python = self._table.add(_walked_tensors(found))
         return self._took(first, _new_only(found, again), python, frames)
 
     def _took(self, first: int, found: list[Any], python: list[int], frames: Optional[list[Any]]) -> Any:
@@ -226,10 +229,10 @@ class NativeSet(ProtectedSet):
         del found
         return _Added(first, adopted)
 
-    def _adopt_python(self, rows: list[int]) -> list[RowEntry]:
+    def _adopt_python(self, rows: list[int]) -> list[Entry]:
         """Records and digests for the new rows the table left to Python (few, as a rule)."""
         table = self._table
-        python: list[RowEntry] = []
+        python: list[Entry] = []
         pending: list[int] = []
         for row in rows:
             if table.flags(row) & self._python_flag:
@@ -310,7 +313,7 @@ class NativeSet(ProtectedSet):
         reached and by which paths, for `settle` (no per-tensor work for a tensor reached once)."""
         self._dirty = False
         leaves = self._watcher.walk_all()
-        first, again, python = self._table.add(_tensors(leaves))
+        first, again, python = self._table.add(_walked_tensors(leaves))
         walked: dict[int, list[str]] = {}  # row -> its paths in this walk, beyond a new row's own
         if again:
             leaves = _tree.leaves_of(leaves)
@@ -346,19 +349,25 @@ class NativeSet(ProtectedSet):
 
     # -- what the hook learns -----------------------------------------------------------
 
-    def publish(self, backend: Any, added: Any, replace: bool) -> bool:
+    def publish(self, backend: Publisher, added: Added, replace: bool) -> bool:
         """Tell a write-hook backend the protected memory: all of it, or what `added` brought;
         whether some of it has no readable memory (see `ProtectedSet.publish`)."""
-        first = 0 if added is None else added.first
-        if isinstance(self._table, getattr(backend, "Table", ())):
-            backend.add_protected(self._table, first, replace)  # read in C++, no Python lists
+        first, python = self._batch(added)
+        if backend is self._compiled:  # the module this table is of: it reads the rows in C++, no Python lists
+            self._compiled.add_protected(self._table, first, replace)
         else:
-            backend.add_protected(*self._table.publication(first), replace)
-        python = list(self._py_entries()) if added is None else added.python
+            spans, impls = self._table.publication(first)
+            backend.add_protected(spans, impls, replace)
         if python:
             records = [e.record for e in python]
             backend.add_protected(_records.intervals(records), _records.impls(records))
         return self._identity_rows
+
+    def _batch(self, added: Added) -> tuple[int, Sequence[Entry]]:
+        """The first row `added` brought, and the Python-kept entries among what it brought (None: all rows)."""
+        if added is None:
+            return 0, self._py_entries()
+        return (added.first, added) if isinstance(added, _Added) else (len(self._table), added)
 
     def _py_entries(self) -> list[RowEntry]:
         return [self._entry(row) for row in self._py_records if self._table.tensor(row) is not None]
@@ -371,9 +380,8 @@ class NativeSet(ProtectedSet):
         found: list[int] = self._table.publication(0)[1]
         return found + _records.impls(e.record for e in self._py_entries())
 
-    def holds_inference(self, added: Any = None) -> bool:
-        first = 0 if added is None else added.first
-        python = self._py_entries() if added is None else added.python
+    def holds_inference(self, added: Added = None) -> bool:
+        first, python = self._batch(added)
         return bool(self._table.summary(first)[0]) or _records.holds_inference(e.record for e in python)
 
     @property
@@ -480,7 +488,7 @@ class NativeSet(ProtectedSet):
                 self._rebuild_index()
         return restore
 
-    def _rebuild_index(self, added: Optional[Any] = None) -> None:
+    def _rebuild_index(self, added: Added = None) -> None:
         if self.on_index is not None:
             self.on_index(added)
 
@@ -534,7 +542,7 @@ class NativeSet(ProtectedSet):
             self._rebuild_index()
         return found + more
 
-    def boundary_changes(self, caller: Any, rescan: bool = True) -> list[Change]:
+    def boundary_changes(self, caller: Optional[types.FrameType], rescan: bool = True) -> list[Change]:
         """`ProtectedSet.boundary_changes`; without `rescan` (the exit), a look at the containers
         that changed walks only what was placed, not the whole object again."""
         if self.final and not rescan:
@@ -566,7 +574,7 @@ class NativeSet(ProtectedSet):
             if leaves is None:  # only a full walk can tell (a store into a container it cannot diff)
                 leaves = watcher.walk_all()
             row_of = self._table.row_of
-            count = len({id(t) for t in _tensors(leaves) if row_of(t) < 0})
+            count = len({id(t) for t in _walked_tensors(leaves) if row_of(t) < 0})
             del leaves
             watcher.forget()  # what left the object dies now, unread, as after a full walk
         with collector_paused():

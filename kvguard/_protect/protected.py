@@ -21,23 +21,16 @@ from kvguard._protect import frames as _frames
 from kvguard._protect import records as _records
 from kvguard._protect import tree as _tree
 from kvguard._protect.collector import collector_paused
+from kvguard._protect.contract import Added, Capabilities, Publisher, SnapshotPairs
 from kvguard._protect.entries import Change, Entry, StrongRef
 from kvguard._protect.index import MemoryIndex
 from kvguard._protect.records import DIGEST, LAYOUT
 from kvguard._protect.watch import Watcher
 
 
-class ProtectedSet:
+class ProtectedSet(Capabilities):
     """Maps written memory to protected entries; learns about newly placed tensors."""
 
-    # Entries of the last `written_entries` whose elements the write misses but whose version
-    # counter it bumps: only autograd's saved tensors have such (`saved.SavedSet`).
-    counter_only: frozenset[int] = frozenset()
-    # Whether writes that no version counter sees (`OpFacts.uncounted`: batch norm's running
-    # statistics) concern this set: not for autograd's, whose check never sees them either.
-    judges_uncounted = True
-    graphs = 0  # forward passes that saved what the set protects (autograd's only)
-    steps = 0  # optimizer steps the set stepped aside for (the weights' only)
     # Set by the guard just before its exit check: the set closes after it, so a tensor placed
     # since the last look needs no digest (`NativeSet`); a pause's check is not final.
     final = False
@@ -56,7 +49,7 @@ class ProtectedSet:
         self._reached: dict[int, Any] = {}  # id -> path(s) that reached each tensor at the last full walk
         self._reach_applied = True  # entries' aliases and `detached` agree with `_reached`
         # Told when the protected memory changes: with the entries added, or None when it changed otherwise.
-        self.on_index: Optional[Callable[[Optional[list[Entry]]], None]] = None
+        self.on_index: Optional[Callable[[Added], None]] = None
         self.protected_count = 0  # tensors protected so far, including ones let go since
         self._fingerprint = fingerprint
         self._compiled = _records.compiled_describe()  # kept for the set's life: one kind of record
@@ -185,7 +178,7 @@ class ProtectedSet:
             del self._entries[key]
         return bool(dead)
 
-    def snapshot_pairs(self) -> Optional[list[tuple[tuple[Any, ...], tuple[Any, ...]]]]:
+    def snapshot_pairs(self) -> SnapshotPairs:
         """(containers, held) pairs for the compiled hook to compare before each write (`Watcher.snapshot_pairs`)."""
         return self._watcher.snapshot_pairs()
 
@@ -204,13 +197,13 @@ class ProtectedSet:
         order and overlapping where the tensors do: the hook sorts and merges them."""
         return _records.intervals(e.record for e in self._entries.values())
 
-    def holds_inference(self, added: Optional[list[Entry]] = None) -> bool:
+    def holds_inference(self, added: Added = None) -> bool:
         """Whether an inference tensor is protected (its writes inside inference mode need their
         own hook): among all entries, or among those just `added`."""
         entries = self._entries.values() if added is None else added
         return _records.holds_inference(e.record for e in entries)
 
-    def publish(self, backend: Any, added: Optional[list[Entry]], replace: bool) -> bool:
+    def publish(self, backend: Publisher, added: Added, replace: bool) -> bool:
         """Tell a write-hook backend the protected memory: all of it, or what `added` brought
         (merged into what it has unless `replace`). Returns whether some of it has no
         readable memory, so that every write must be looked at."""
@@ -425,7 +418,7 @@ class ProtectedSet:
 
     # -- lookup ----------------------------------------------------------------------
 
-    def _rebuild_index(self, added: Optional[list[Entry]] = None) -> None:
+    def _rebuild_index(self, added: Added = None) -> None:
         """The protected memory changed (by `added` entries only, if given): tell the hook; the
         lookup index is rebuilt when next needed."""
         if added is None:

@@ -102,7 +102,8 @@ def spans(record: Record) -> list[_torch.Span]:
     """The byte spans of a record's tensor, as `_torch.spans` gives them."""
     if record.spans is not None:
         return record.spans
-    return [_torch.Span(record.device, record.start, record.stop, record.dense)] if record.stop else []
+    device = record.device
+    return [_torch.Span(device, record.start, record.stop, record.dense)] if record.stop and device is not None else []
 
 
 def has_memory(record: Record) -> bool:

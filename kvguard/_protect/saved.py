@@ -223,6 +223,9 @@ class SavedSet(QueuedSet):
     # Batch norm's running statistics are saved and then updated by the same op; a
     # training-mode backward never reads them, and autograd's check never counts the update.
     judges_uncounted = False
+    # What autograd saved matters only through the values backward reads: a re-pointing to the
+    # same values (a memory-format conversion) changes nothing it computes.
+    values_only = True
 
     def __init__(self, name: str, fingerprint: bool = False) -> None:
         # Packs wait in `_pending` (`_TensorOf`s, and `_Lent`s under composed hooks), held weakly: a
@@ -543,9 +546,9 @@ class SavedSet(QueuedSet):
                 record = entry.record
                 if _in_rows(entry.ref):
                     continue  # the write hook's saved rows have it, for as long as it lives
-                if record[DEVICE] is not None:  # from C++: one span
-                    published[id(entry)] = ([(record[START], record[STOP])] if record[STOP] else [],
-                                            [record[IMPL]] if record[IMPL] is not None else [])
+                if record.spans is None:  # from C++: one span
+                    published[id(entry)] = ([(record.start, record.stop)] if record.stop else [],
+                                            [record.impl] if record.impl is not None else [])
                 else:
                     published[id(entry)] = (_records.intervals((record,)), _records.impls((record,)))
 

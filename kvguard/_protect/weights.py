@@ -54,6 +54,7 @@ class ModuleSet(ProtectedSet):
     """The parameters and buffers of `modules` (name, module), protected as entries."""
 
     lets_go_of_what_left = False  # a module's weights are its own: what it held stays protected
+    holds_weights = True  # a blocked write's hint names the optimizer step
 
     def __init__(self, modules: Sequence[tuple[str, torch.nn.Module]], fingerprint: bool = True) -> None:
         # (name, module, holders) of each guarded module, and of each parameter no named module

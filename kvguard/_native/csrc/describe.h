@@ -101,8 +101,9 @@ PyObject* py_set_record_type(PyObject*, PyObject* arg) {
     return nullptr;
   }
   PyObject* fields = PyObject_GetAttrString(arg, "_fields");
+  if (fields == nullptr) PyErr_Clear();  // not a NamedTuple: no fields to match
   PyObject* expected = fields == nullptr ? nullptr : record_fields();
-  const int same = expected == nullptr ? -1 : PyObject_RichCompareBool(fields, expected, Py_EQ);
+  const int same = expected == nullptr ? 0 : PyObject_RichCompareBool(fields, expected, Py_EQ);
   Py_XDECREF(fields);
   Py_XDECREF(expected);
   if (same < 0) return nullptr;
