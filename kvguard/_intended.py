@@ -164,7 +164,7 @@ WRITERS: tuple[Writer, ...] = (
         "a module's own forward updating its own buffers (also: quantization observers' ranges, an Embedding "
         "with max_norm renormalising its weight)", how="rule",
         where="kvguard._protect.weights.ModuleSet._intended (the writing op's stack); at level light, "
-              "kvguard._torch.updates_own_buffers (their fingerprints are taken again, not compared)"),
+              "kvguard._torch.training.updates_own_buffers (their fingerprints are taken again, not compared)"),
     Writer(
         "spectral norm's power iteration", WEIGHTS, "torch", ">=2.4,<3", "2.13.0",
         ("torch.nn.utils.spectral_norm:SpectralNorm.__call__", "torch.nn.utils.parametrizations:_SpectralNorm.forward"),
@@ -172,14 +172,14 @@ WRITERS: tuple[Writer, ...] = (
         "in each training forward",
         "the classic spectral_norm updates its vectors in a forward pre-hook, the parametrized one in its forward",
         how="rule", where="kvguard._protect.weights.ModuleSet._intended (a forward hook of the module writing "
-                          "its buffers); at level light, kvguard._torch.updates_own_buffers"),
+                          "its buffers); at level light, kvguard._torch.training.updates_own_buffers"),
     Writer(
         "rrelu's noise", AUTOGRAD, "torch", ">=2.4,<3", "2.13.0",
         ("torch.nn.functional:rrelu", "torch.nn.modules.activation:RReLU.forward"),
         "the noise buffer autograd saved for the very op that fills it (rrelu_with_noise, in place or not)",
         "an argument an op writes but does not return bumps no version counter: autograd's own check never sees "
         "that write (batch norm's running statistics are the same), and backward reads the noise as filled",
-        how="rule", where="kvguard._torch.op_facts (uncounted writes), kvguard._engine.judge"),
+        how="rule", where="kvguard._torch.ops.op_facts (uncounted writes), kvguard._engine.judge"),
 )
 
 
@@ -204,9 +204,13 @@ class Found(NamedTuple):
 # What a write reaches, asked only when a writer's function is found on the stack: the
 # protected tensors at the written path (one for a model's weights).
 Reached = Callable[[], Sequence[Any]]
+# Whether two tensors share an element's memory: the protected set's exact test
+# (`kvguard._protect.geometry.elements_overlap`), passed in, as a leaf imports no room.
+Overlap = Callable[[Any, Any], bool]
 
 
-def writing(writers: Iterable[Writer], frame: Optional[types.FrameType], reached: Reached) -> Optional[Found]:
+def writing(writers: Iterable[Writer], frame: Optional[types.FrameType], reached: Reached,
+            overlap: Overlap) -> Optional[Found]:
     """The innermost of `writers`' functions on the stack from `frame` up that is meant to write what
     the write reaches (`reached()`: the tensors written), or None.
 
@@ -234,7 +238,7 @@ def writing(writers: Iterable[Writer], frame: Optional[types.FrameType], reached
                     if names is not None:
                         if tensors is None:
                             tensors = _tensors(reached)
-                        if not _holds(_argument(frame, names), tensors):
+                        if not _holds(_argument(frame, names), tensors, overlap):
                             continue
                     return Found(writer, f"{module}:{qualname}")
         frame = frame.f_back
@@ -269,14 +273,12 @@ def _tensors(reached: Reached) -> Sequence[Any]:
         return ()
 
 
-def _holds(value: Any, tensors: Sequence[Any]) -> bool:
+def _holds(value: Any, tensors: Sequence[Any], overlap: Overlap) -> bool:
     """Whether `value` (a tensor, or a module's parameters and buffers) holds one of `tensors`: the
     same tensor object, or one sharing an element's memory with it (`w.data`, a view)."""
     if not tensors or value is None:
         return False
     import torch
-
-    from kvguard._torch import elements_overlap
 
     try:
         if issubclass(type(value), torch.Tensor):  # `type()`: a value may refuse attribute reads
@@ -292,7 +294,7 @@ def _holds(value: Any, tensors: Sequence[Any]) -> bool:
     for t in tensors:
         for o in own:
             try:
-                if elements_overlap(o, t):
+                if overlap(o, t):
                     return True
             except Exception:  # noqa: BLE001 - no memory to compare (uninitialized, meta): not the same
                 continue

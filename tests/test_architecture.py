@@ -21,6 +21,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "kvguard"
 ROOMS = ("_activate", "_guard", "_engine", "_protect", "_native", "_report")
 LEAVES = ("_errors", "_text", "_paths", "_config", "_ranks", "_state", "_kinds", "_presets", "_intended",
           "_torch")  # import no room
+FENCE = "kvguard._torch"  # the folder of fences: every private torch API, one concern per module; a leaf room
 # The name older `.pth` lines call (`import kvguard._startup`; no installer removes such a line):
 # it re-exports activation's module, so it sits with the package, above every room.
 SHIMS = ("_startup",)
@@ -206,7 +207,9 @@ def test_every_subpackage_is_shipped() -> None:
 
 def private_torch(path: pathlib.Path) -> list[tuple[int, str]]:
     """(line, name) of the private torch APIs a module names in code, one per line: `torch._C...`,
-    `from torch.utils._pytree import ...`, `x._cdata`, `getattr(torch, "_disable_dynamo")`."""
+    `from torch.utils._pytree import ...`, `x._cdata`, `getattr(torch, "_disable_dynamo")`,
+    `getattr(x, "_schema")`, and the private pytree module's registry read through any name
+    (`pytree.SUPPORTED_NODES`, `node.flatten_with_keys_fn`)."""
     found: dict[int, str] = {}
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
@@ -225,6 +228,10 @@ def private_torch(path: pathlib.Path) -> list[tuple[int, str]]:
                 and len(node.args) > 1 and isinstance(node.args[0], ast.Name) and node.args[0].id == "torch" \
                 and isinstance(node.args[1], ast.Constant):
             named = [f"torch.{node.args[1].value!s}"]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) \
+                and node.args[1].value in TORCH_PRIVATE_ATTRS:
+            named = [f"<object>.{node.args[1].value!s}"]
         else:
             continue
         for name in named:
@@ -234,21 +241,38 @@ def private_torch(path: pathlib.Path) -> list[tuple[int, str]]:
     return sorted(found.items())
 
 
-TORCH_PRIVATE_ATTRS = {"_cdata", "_schema", "_destroy"}  # private attributes of torch's objects
+# Private attributes of torch's objects, and of the private pytree module (its registry and node
+# definitions), whatever name holds them.
+TORCH_PRIVATE_ATTRS = {"_cdata", "_schema", "_destroy", "_values", "_indices",
+                       "SUPPORTED_NODES", "flatten_fn", "flatten_with_keys_fn"}
+
+
+def in_the_fence(name: str) -> bool:
+    return name == FENCE or name.startswith(FENCE + ".")
 
 
 def test_private_torch_apis_are_used_only_in_the_fence() -> None:
     found = [f"{path.relative_to(PACKAGE.parent)}:{line}: {name}"
-             for name, path in module_names().items() if path.suffix == ".py" and name != "kvguard._torch"
+             for name, path in module_names().items() if path.suffix == ".py" and not in_the_fence(name)
              for line, name in private_torch(path)]
-    assert not found, "private torch APIs outside kvguard/_torch.py:\n" + "\n".join(found)
+    assert not found, "private torch APIs outside kvguard/_torch/:\n" + "\n".join(found)
+
+
+def test_the_fence_imports_no_other_room() -> None:
+    """The fence is a leaf room: its modules import each other and torch, nothing else of kvguard."""
+    assert any(in_the_fence(name) and name != FENCE for name in graph()), "the fence is a folder of modules"
+    outward = [f"{name} -> {target} (line {line})" for name, targets in graph().items() if in_the_fence(name)
+               for target, line in targets.items() if not in_the_fence(target)]
+    assert not outward, "\n".join(outward)
 
 
 def test_the_fence_check_finds_private_apis(tmp_path: pathlib.Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("import torch\nfrom torch.utils._pytree import SUPPORTED_NODES\nk = torch._C.DispatchKey\n"
-                      "i = t._cdata\nd = getattr(torch, '_disable_dynamo')\nok = torch.utils.swap_tensors\n")
-    assert [line for line, _ in private_torch(module)] == [2, 3, 4, 5]
+                      "i = t._cdata\nd = getattr(torch, '_disable_dynamo')\nok = torch.utils.swap_tensors\n"
+                      "n = pytree.SUPPORTED_NODES.get(tp)\nf = node.flatten_with_keys_fn\ns = getattr(func, '_schema', None)\n"
+                      "v = t._values()\nok = t.values()\n")
+    assert [line for line, _ in private_torch(module)] == [2, 3, 4, 5, 7, 8, 9, 10]
 
 
 def test_circles_are_found() -> None:

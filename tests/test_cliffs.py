@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import kvguard
-from kvguard import _torch
 from kvguard._engine import diff as _diff
+from kvguard._protect import geometry as _geometry
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -105,8 +105,8 @@ LAYOUTS: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {
 def test_overlap_is_exact_on_adversarial_layouts(name: str) -> None:
     a, b = LAYOUTS[name]()
     want = truth(a, b)
-    assert _torch.elements_overlap(a, b) == want
-    assert _torch.elements_overlap(b, a) == want
+    assert _geometry.elements_overlap(a, b) == want
+    assert _geometry.elements_overlap(b, a) == want
 
 
 def test_the_layouts_cover_both_answers() -> None:
@@ -149,14 +149,14 @@ def _random_view(rng: random.Random, base: torch.Tensor) -> Optional[torch.Tenso
     return t
 
 
-@pytest.mark.parametrize("budget, window", [(_torch.SEARCH_BUDGET, 1 << 20), (0, 7)],
+@pytest.mark.parametrize("budget, window", [(_geometry.SEARCH_BUDGET, 1 << 20), (0, 7)],
                          ids=["search", "window-fallback"])
 def test_overlap_matches_the_byte_oracle_on_random_layouts(budget: int, window: int,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The stride search, and the windowed enumeration it falls back on (forced here with a
     zero budget and 7-byte windows, so that runs straddle window edges)."""
-    monkeypatch.setattr(_torch, "SEARCH_BUDGET", budget)
-    monkeypatch.setattr(_torch, "_WINDOW", window)
+    monkeypatch.setattr(_geometry, "SEARCH_BUDGET", budget)
+    monkeypatch.setattr(_geometry, "_WINDOW", window)
     rng = random.Random(8)
     base = torch.zeros(1024, dtype=torch.uint8)
     checked = 0
@@ -164,18 +164,18 @@ def test_overlap_matches_the_byte_oracle_on_random_layouts(budget: int, window: 
         a, b = _random_view(rng, base), _random_view(rng, base)
         if a is None or b is None:
             continue
-        assert _torch.elements_overlap(a, b) == truth(a, b), (
+        assert _geometry.elements_overlap(a, b) == truth(a, b), (
             a.dtype, a.shape, a.stride(), a.storage_offset(), b.dtype, b.shape, b.stride(), b.storage_offset())
         checked += 1
 
 
 def test_runs_fold_dense_dims_and_drop_stride_0() -> None:
     logits = torch.empty(2, 8, 16)
-    assert _torch.runs(logits[:, :-1, :]) == (logits.data_ptr(), 7 * 16 * 4, ((2, 8 * 16 * 4),))
-    assert _torch.runs(logits[:, -1, :]).dims == ((2, 8 * 16 * 4),)
+    assert _geometry.runs(logits[:, :-1, :]) == (logits.data_ptr(), 7 * 16 * 4, ((2, 8 * 16 * 4),))
+    assert _geometry.runs(logits[:, -1, :]).dims == ((2, 8 * 16 * 4),)
     col = logits[0, :, 3:4].expand(8, 5)
-    assert _torch.runs(col) == (col.data_ptr(), 4, ((8, 64),))
-    assert _torch.runs(torch.as_strided(logits, (10, 4), (2, 1))).length == (9 * 2 + 4) * 4  # rows overlap
+    assert _geometry.runs(col) == (col.data_ptr(), 4, ((8, 64),))
+    assert _geometry.runs(torch.as_strided(logits, (10, 4), (2, 1))).length == (9 * 2 + 4) * 4  # rows overlap
 
 
 def test_logits_sized_overlap_is_decided_by_arithmetic_alone(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -183,18 +183,18 @@ def test_logits_sized_overlap_is_decided_by_arithmetic_alone(monkeypatch: pytest
     never touched): no enumeration, one term, a few search nodes."""
     def no_enumeration(*args: Any) -> bool:
         raise AssertionError("enumerated runs")
-    monkeypatch.setattr(_torch, "_runs_meet_in_windows", no_enumeration)
-    monkeypatch.setattr(_torch, "run_starts", no_enumeration)
+    monkeypatch.setattr(_geometry, "_runs_meet_in_windows", no_enumeration)
+    monkeypatch.setattr(_geometry, "run_starts", no_enumeration)
     # as_strided over a small tensor's metadata only: runs() and spans() read no memory
     base = torch.empty(8 * 4096 * 32000, dtype=torch.float32, device="meta")
     shape, stride = (8, 4096, 32000), (4096 * 32000, 32000, 1)
     logits = torch.as_strided(base, shape, stride)
-    prefix, last = _torch.runs(logits[:, :-1, :]), _torch.runs(logits[:, -1, :])
+    prefix, last = _geometry.runs(logits[:, :-1, :]), _geometry.runs(logits[:, -1, :])
     assert len(prefix.dims) == len(last.dims) == 1
-    assert _torch.runs_meet(prefix, last, budget=4) is False
-    assert _torch.runs_meet(prefix, _torch.runs(logits[:, 5, :]), budget=4) is True
-    assert _torch.runs_meet(prefix, _torch.runs(logits[3, -1, 100:200]), budget=4) is False
-    assert _torch.runs_meet(prefix, _torch.runs(logits[3, -2, 100:200]), budget=4) is True
+    assert _geometry.runs_meet(prefix, last, budget=4) is False
+    assert _geometry.runs_meet(prefix, _geometry.runs(logits[:, 5, :]), budget=4) is True
+    assert _geometry.runs_meet(prefix, _geometry.runs(logits[3, -1, 100:200]), budget=4) is False
+    assert _geometry.runs_meet(prefix, _geometry.runs(logits[3, -2, 100:200]), budget=4) is True
 
 
 def test_logits_overlap_in_a_guard_is_exact_and_cheap() -> None:
@@ -215,8 +215,8 @@ def test_logits_overlap_in_a_guard_is_exact_and_cheap() -> None:
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_flat_ranges_hold_every_element_the_write_can_change(name: str) -> None:
     protected, written = LAYOUTS[name]()
-    ranges = _torch.flat_ranges(protected, _torch.write_windows([written]))
-    order = _torch.memory_order(protected)
+    ranges = _geometry.flat_ranges(protected, _geometry.write_windows([written]))
+    order = _geometry.memory_order(protected)
     if ranges is None:  # "all": always safe
         return
     assert order is not None
@@ -232,7 +232,7 @@ def test_flat_ranges_hold_every_element_the_write_can_change(name: str) -> None:
 
 def test_flat_ranges_copy_what_was_written_not_the_span() -> None:
     def ranges(t: torch.Tensor, *written: torch.Tensor) -> Optional[list[tuple[int, int]]]:
-        return _torch.flat_ranges(t, _torch.write_windows(written))
+        return _geometry.flat_ranges(t, _geometry.write_windows(written))
     logits = torch.empty(2, 64, 512)
     prefix = logits[:, :-1, :]
     assert ranges(prefix, logits[:, 5, :]) == [(5 * 512, 6 * 512), (68 * 512, 69 * 512)]

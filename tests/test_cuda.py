@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import kvguard
-from kvguard import _torch
 from kvguard._engine import diff as _diff
 from kvguard._engine import judge as _judge
+from kvguard._torch import tensors as _tensors
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -28,13 +28,13 @@ def capturing(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a value was read while a CUDA graph was being captured")
 
-    monkeypatch.setattr(_torch, "capturing", lambda: True)
+    monkeypatch.setattr(_tensors, "capturing", lambda: True)
     for name in ("snapshot", "values", "compare"):
         monkeypatch.setattr(_diff, name, refuse)
 
 
 def test_capturing_is_false_without_a_capture() -> None:
-    assert _torch.capturing() is False
+    assert _tensors.capturing() is False
 
 
 def test_a_write_during_capture_is_reported_without_reading_a_value(capturing: None) -> None:

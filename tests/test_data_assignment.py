@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kvguard
-from kvguard import _torch
+from kvguard._torch import patches as _patches
 from tests.processes import run_python
 
 OP = "Tensor.data assignment"
@@ -123,14 +123,14 @@ def test_conversions_are_a_weights_guards_own_writes_and_a_stray_one_is_not() ->
 
 
 def test_the_property_is_there_only_while_a_full_guard_is() -> None:
-    assert not _torch.data_is_watched()
+    assert not _patches.data_is_watched()
     with kvguard.guard({"a": torch.ones(1)}, name="a", action="record"):
         with kvguard.guard({"b": torch.ones(1)}, name="b", action="record"):
-            assert _torch.data_is_watched()
-        assert _torch.data_is_watched()
-    assert not _torch.data_is_watched() and "data" not in torch.Tensor.__dict__
+            assert _patches.data_is_watched()
+        assert _patches.data_is_watched()
+    assert not _patches.data_is_watched() and "data" not in torch.Tensor.__dict__
     with kvguard.guard({"a": torch.ones(1)}, name="a", action="record", level="light") as g:
-        assert not _torch.data_is_watched()
+        assert not _patches.data_is_watched()
     x = torch.ones(2)
     x.data = torch.zeros(2)  # plain torch again
     assert torch.equal(x, torch.zeros(2)) and not g.report.events
@@ -141,7 +141,7 @@ def test_deleting_data_is_refused_as_torch_refuses_it() -> None:
     property in place too (it had no deleter: AttributeError), and `x.data = None` TypeError."""
     x = torch.randn(5, 5, requires_grad=True)
     with kvguard.guard({"x": torch.ones(1)}, name="x", action="raise"):
-        assert _torch.data_is_watched()
+        assert _patches.data_is_watched()
         with pytest.raises(RuntimeError, match="Deleting tensor data is not allowed"):
             del x.data
         with pytest.raises(TypeError):

@@ -327,14 +327,14 @@ def test_rrelu_in_place_over_a_tensor_another_op_saved_is_still_stopped(engine: 
 
 
 def test_only_a_written_argument_no_return_aliases_is_unreturned() -> None:
-    from kvguard import _torch
+    from kvguard._torch import ops as _ops
 
     aten = torch.ops.aten
-    assert _torch.op_facts(aten.rrelu_with_noise_.default).unreturned == (1,)  # noise
-    assert _torch.op_facts(aten._amp_update_scale_.default).unreturned == (1,)  # growth_tracker
-    assert _torch.op_facts(aten.rrelu_with_noise.out).unreturned == (0,)  # noise; `out` is returned
+    assert _ops.op_facts(aten.rrelu_with_noise_.default).unreturned == (1,)  # noise
+    assert _ops.op_facts(aten._amp_update_scale_.default).unreturned == (1,)  # growth_tracker
+    assert _ops.op_facts(aten.rrelu_with_noise.out).unreturned == (0,)  # noise; `out` is returned
     for op in (aten.add_.Tensor, aten.mul.out, aten._foreach_add_.List, aten.index_put_.default):
-        assert _torch.op_facts(op).unreturned == (), op
+        assert _ops.op_facts(op).unreturned == (), op
 
 
 # -- each writer writes what it is meant to write, not whatever is written while it runs ----------

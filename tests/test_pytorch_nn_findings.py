@@ -92,17 +92,17 @@ def test_a_re_pointing_to_other_values_is_still_stopped(change: str) -> None:
 
 
 def test_same_values_rules() -> None:
-    from kvguard import _torch
+    from kvguard._torch import tensors as _tensors
 
     a = torch.arange(6.0).reshape(2, 3)
-    assert _torch.same_values(a, a.clone())
-    assert _torch.same_values(a, a.t().contiguous().t())  # other strides, the same values
-    assert not _torch.same_values(a, a.double())
-    assert not _torch.same_values(a, a.reshape(3, 2).clone())
-    assert not _torch.same_values(a, a + 1)
-    assert not _torch.same_values(torch.tensor([float("nan")]), torch.tensor([float("nan")]))
-    assert not _torch.same_values(torch.empty(2, device="meta"), torch.empty(2, device="meta"))
-    assert not _torch.same_values(a, "not a tensor")
+    assert _tensors.same_values(a, a.clone())
+    assert _tensors.same_values(a, a.t().contiguous().t())  # other strides, the same values
+    assert not _tensors.same_values(a, a.double())
+    assert not _tensors.same_values(a, a.reshape(3, 2).clone())
+    assert not _tensors.same_values(a, a + 1)
+    assert not _tensors.same_values(torch.tensor([float("nan")]), torch.tensor([float("nan")]))
+    assert not _tensors.same_values(torch.empty(2, device="meta"), torch.empty(2, device="meta"))
+    assert not _tensors.same_values(a, "not a tensor")
 
 
 def test_a_saved_tensor_re_pointed_by_data_says_pytorch_would_not_raise() -> None:

@@ -14,8 +14,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from kvguard import _torch
 from kvguard._protect import digest as _digest
+from kvguard._protect import geometry as _geometry
 from kvguard._protect import records as _records
 from kvguard._native import build as _build
 
@@ -76,7 +76,7 @@ def _freed() -> torch.Tensor:
 VIEWS = _views()
 
 
-def _where(spans: list[_torch.Span]) -> list[tuple[Any, int, int]]:
+def _where(spans: list[_geometry.Span]) -> list[tuple[Any, int, int]]:
     return [(s.device, s.start, s.stop) for s in spans]
 
 
@@ -86,11 +86,11 @@ def test_compiled_and_python_records_agree(make: Callable[[], torch.Tensor], dig
     tensor = make()  # never in an assert: torch's repr crashes on a freed storage
     (fast,) = _records.describe([tensor], digest, COMPILED)
     (slow,) = _records.describe([tensor], digest, None)
-    spans = _torch.spans(tensor)
+    spans = _geometry.spans(tensor)
     assert _where(_records.spans(fast)) == _where(spans) == _where(_records.spans(slow))
     # Density is decided eagerly in C++ and lazily in Python (None: "ask `dense`"); never differently.
-    assert [_torch.dense(s, tensor) for s in _records.spans(fast)] == [
-        _torch.dense(s, tensor) for s in _torch.spans(tensor)]
+    assert [_geometry.dense(s, tensor) for s in _records.spans(fast)] == [
+        _geometry.dense(s, tensor) for s in _geometry.spans(tensor)]
     assert _digest.same(fast[_records.DIGEST], slow[_records.DIGEST])
     assert (fast[_records.DIGEST] is None) == (slow[_records.DIGEST] is None)
     if digest:

@@ -1,6 +1,6 @@
 """Writes the schema does not declare: BatchNorm's running statistics and the sweep that pins them.
 
-`aten::native_batch_norm` (and a few more, `kvguard._torch._UNDECLARED_WRITES`) updates
+`aten::native_batch_norm` (and a few more, `kvguard._torch.ops._UNDECLARED_WRITES`) updates
 `running_mean`/`running_var` without a `!` in its schema. The guard must still catch `bn(x)`
 at the op, and `tools/sweep_undeclared_writes.py` must notice when a torch version adds
 another such op: a CI-sized subset of its sweep runs here and fails on any write missing
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import kvguard
-from kvguard import _torch as kv_torch
+from kvguard._torch import ops as kv_torch
 
 ROOT = Path(__file__).resolve().parent.parent
 THIS_FILE = os.path.basename(__file__)

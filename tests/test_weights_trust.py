@@ -310,15 +310,15 @@ def test_a_stray_write_to_a_buffer_outside_its_module_is_still_reported(level: s
 
 
 def test_which_modules_update_their_own_buffers() -> None:
-    from kvguard import _torch
+    from kvguard._torch import training as _training
 
     sn = torch.nn.utils.spectral_norm(torch.nn.Linear(3, 3))
     psn = torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(3, 3))
     yes = [torch.nn.BatchNorm1d(3), torch.nn.InstanceNorm2d(3, track_running_stats=True), torch.nn.SyncBatchNorm(3),
            sn, psn.parametrizations.weight[0], torch.ao.quantization.MinMaxObserver()]
     no = [torch.nn.Linear(3, 3), torch.nn.Sequential(torch.nn.BatchNorm1d(3)), psn, torch.nn.LayerNorm(3)]
-    assert [_torch.updates_own_buffers(m) for m in yes] == [True] * len(yes)
-    assert [_torch.updates_own_buffers(m) for m in no] == [False] * len(no)
+    assert [_training.updates_own_buffers(m) for m in yes] == [True] * len(yes)
+    assert [_training.updates_own_buffers(m) for m in no] == [False] * len(no)
 
 
 def test_a_hook_writing_a_parameter_is_not_the_modules_own_update() -> None:

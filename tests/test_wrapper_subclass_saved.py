@@ -20,7 +20,7 @@ import torch.autograd.functional as autogradF
 from torch.testing._internal.logging_tensor import LoggingTensor
 
 import kvguard
-from kvguard import _torch
+from kvguard._protect import geometry as _geometry
 
 
 def _logging(*shape: int) -> torch.Tensor:
@@ -31,9 +31,9 @@ def test_a_wrapper_subclass_view_has_no_memory_span() -> None:
     x = _logging(4, 4)
     view = x[2:]
     assert view.storage_offset() == 8 and view.data_ptr() == 64  # the offset alone, no address
-    assert _torch.spans(view) == [] and _torch.spans(x) == []
+    assert _geometry.spans(view) == [] and _geometry.spans(x) == []
     plain = torch.randn(4, 4)[2:]
-    assert _torch.spans(plain) and _torch.spans(plain)[0].start == plain.data_ptr()  # plain views unchanged
+    assert _geometry.spans(plain) and _geometry.spans(plain)[0].start == plain.data_ptr()  # plain views unchanged
 
 
 def test_fresh_wrapper_tensor_written_at_a_saved_views_offset_is_not_reported() -> None:

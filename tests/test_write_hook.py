@@ -536,7 +536,7 @@ def test_add_protected_merges_like_merge_intervals(h: ModuleType, seed: int) -> 
     merged set would, here and in the Python twin."""
     import random
 
-    from kvguard import _torch
+    from kvguard._protect import geometry as _geometry
     from kvguard._engine import kernels as _kernels
 
     rng = random.Random(seed)
@@ -544,7 +544,7 @@ def test_add_protected_merges_like_merge_intervals(h: ModuleType, seed: int) -> 
     lo = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
     first = [(lo + a, lo + a + rng.randint(1, 64)) for a in rng.sample(range(0, 3900), 12)]
     more = [(lo + a, lo + a + rng.randint(0, 64)) for a in rng.sample(range(0, 3900), rng.randint(1, 8))]
-    want = _torch.merge_intervals(first + [iv for iv in more if iv[0] < iv[1]])
+    want = _geometry.merge_intervals(first + [iv for iv in more if iv[0] < iv[1]])
     h.add_protected([(lo, lo + 4096)], [], True)  # replaced below, as a whole
     h.add_protected(first[::-1], [5], True)
     h.add_protected(more, [7, 3])

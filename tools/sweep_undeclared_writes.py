@@ -3,7 +3,7 @@
 kvguard learns what an op writes from its schema (`alias_info.is_write`). A few ops write
 an argument anyway: `aten::native_batch_norm` updates `running_mean` and `running_var` in
 training, and says nothing. kvguard keeps those in `_UNDECLARED_WRITES` in
-`kvguard/_torch.py`; this sweep finds them and checks the table.
+`kvguard/_torch/ops.py`; this sweep finds them and checks the table.
 
 How it works
     Every OpInfo of `torch.testing._internal.common_methods_invocations.op_db` (its
@@ -100,7 +100,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvguard import _torch as kv_torch
+from kvguard._torch import ops as kv_torch
 
 SOURCES = ("op_db", "module_db", "extra")
 VARIANTS = ("function", "inplace", "out")
@@ -756,7 +756,7 @@ def format_result(result: SweepResult) -> str:
     missing = result.missing
     lines.append("")
     lines.append("FAIL: " + ", ".join(sorted({f"{f.op} {f.arg}" for f in missing})) + " missing from "
-                 "kvguard._torch._UNDECLARED_WRITES" if missing else "OK: every undeclared write is in the table")
+                 "kvguard._torch.ops._UNDECLARED_WRITES" if missing else "OK: every undeclared write is in the table")
     return "\n".join(lines)
 
 

@@ -2,7 +2,7 @@
 
 Called only on a protected write, never on the hot path. Everything returned is a
 string. A write is compared over the elements it can change (flat index ranges from
-`_torch.flat_ranges`): the copy taken before it holds only those, and every pass over
+`_geometry.flat_ranges`): the copy taken before it holds only those, and every pass over
 the values goes CHUNK elements at a time, so the extra memory is that copy plus a few MB.
 """
 
@@ -17,8 +17,9 @@ from typing import (Any, Callable, Concatenate, Iterator, NamedTuple, Optional, 
 
 import torch
 
-from kvguard import _torch
+from kvguard._protect import geometry as _geometry
 from kvguard._text import plural
+from kvguard._torch import tensors as _tensors
 
 SHOW_VALUES = 4  # sample values shown in a summary or a diff
 CHUNK = 1 << 18  # elements per step of a pass over the values: temporaries stay a few MB
@@ -126,7 +127,7 @@ class _Data(NamedTuple):
     order: Optional[tuple[int, ...]]  # view = tensor.permute(order); None: the same order
     labelled: bool  # indices print as `[i, j]`; else as `#i`, flat into the stored values
     noun: str  # what they are: "elements", or "stored values" of a sparse tensor
-    indexed: bool  # the index ranges of `_torch.flat_ranges` (in memory order) apply
+    indexed: bool  # the index ranges of `_geometry.flat_ranges` (in memory order) apply
     dequantize: bool  # stored quantized: each piece is dequantized as it is read
 
 
@@ -141,12 +142,12 @@ def _data(t: torch.Tensor) -> _Data:
     if t.is_nested:
         return _Data(t.values(), t.values(), None, False, "elements", False, False)
     if t.layout == torch.sparse_coo:
-        return _Data(t._values(), t._values(), None, False, "stored values", False, False)
+        return _Data(_tensors.stored_values(t), _tensors.stored_values(t), None, False, "stored values", False, False)
     if t.layout != torch.strided:  # compressed sparse layouts
         return _Data(t.values(), t.values(), None, False, "stored values", False, False)
     if t.device.type == "meta":
         raise ValueError("a meta tensor holds no data")
-    order = None if t.is_quantized else _torch.memory_order(t)
+    order = None if t.is_quantized else _geometry.memory_order(t)
     if order == tuple(range(t.dim())):
         order = None
     view = t if order is None else t.permute(order)
@@ -267,7 +268,7 @@ def snapshot(t: torch.Tensor, ranges: Optional[Ranges] = None) -> Optional[torch
     """A detached copy of `t`'s values in the index `ranges` (default: all), one after
     the other, read a chunk at a time; at most MAX_SNAPSHOT_BYTES of them.
 
-    `ranges` index `t`'s values in memory order (`_torch.memory_order`, `_torch.flat_ranges`).
+    `ranges` index `t`'s values in memory order (`_geometry.memory_order`, `_geometry.flat_ranges`).
     """
     data = _data(t)
     spans = _ranges(data, ranges)

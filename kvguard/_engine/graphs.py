@@ -27,9 +27,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from kvguard import _torch
 from kvguard._engine.judge import PendingWrite, WriteJudge, judge_all, judged_as_graph_writes
 from kvguard._protect import frames as _frames
+from kvguard._torch import compiled as _compiled
+from kvguard._torch import ops as _ops
+from kvguard._torch import patches as _patches
 
 _COPY = torch.ops.aten.copy_.default
 _SITES = "_kvguard_write_sites"  # the artifact's attribute caching its input -> Site map
@@ -44,7 +46,7 @@ def listen(judges_of: JudgesOf) -> None:
     gives, per tensor, the active judges a write into it is shown to."""
     if _listening:
         return
-    _listening.append(_torch.on_compiled_graph_call(functools.partial(judge_graph, judges_of)))
+    _listening.append(_patches.on_compiled_graph_call(functools.partial(judge_graph, judges_of)))
 
 
 def judge_graph(judges_of: JudgesOf, graph: Any, inputs: Sequence[Any]) -> Optional[Callable[[bool], None]]:
@@ -53,12 +55,12 @@ def judge_graph(judges_of: JudgesOf, graph: Any, inputs: Sequence[Any]) -> Optio
 
     Per call it costs one pass over the mutated inputs in C (the write hook's own test): a
     compiled optimizer step writes every parameter and its state, and stays near eager's cost."""
-    positions, written = _torch.mutated_inputs(graph, inputs)
+    positions, written = _compiled.mutated_inputs(graph, inputs)
     shown = judges_of(written) if written else {}
     if not shown:
         return None
     sites = write_sites(graph)
-    facts = _torch.op_facts(_COPY)
+    facts = _ops.op_facts(_COPY)
     pending: list[PendingWrite] = []
     try:
         for i, judges in sorted(shown.items()):
@@ -85,7 +87,7 @@ def write_sites(graph: Any) -> dict[int, _frames.Site]:
     sites = getattr(graph, _SITES, None)
     if sites is None:
         try:
-            sites = _sites_in(_torch.compiled_graph_text(graph))
+            sites = _sites_in(_compiled.compiled_graph_text(graph))
         except Exception:  # noqa: BLE001 - a graph text of another shape: the compiled call's line
             sites = {}
         try:
@@ -100,7 +102,7 @@ def _call_site() -> _frames.Site:
     else the innermost user frame. Never `user_site()`: inside `located` that is this site."""
     first = None
     for frame in _frames.user_frames(sys._getframe(1)):
-        if not _torch.dynamo_generated(frame.f_code):
+        if not _compiled.dynamo_generated(frame.f_code):
             return _frames.site_of(frame)
         first = first or frame
     return _frames.site_of(first)
@@ -125,7 +127,7 @@ def _confirmed(named: _frames.Site) -> Optional[_frames.Site]:
     code = _code_only(named.code)
     frame: Optional[types.FrameType] = sys._getframe(1)
     while frame is not None:
-        if _torch.dynamo_generated(frame.f_code):
+        if _compiled.dynamo_generated(frame.f_code):
             found = _line_in_function(frame.f_code, code)
             if found is not None:
                 return found

@@ -19,13 +19,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from kvguard import _torch
 from kvguard._engine.backend import Backend
 from kvguard._engine.judge import After, WriteJudge, judge_all
 from kvguard._engine.mode import thread_judges
 from kvguard._protect import frames as _frames
 from kvguard._protect.collector import collector_paused
-from kvguard._torch import outside_dynamo
+from kvguard._torch import ops as _ops
+from kvguard._torch.compiled import outside_dynamo
 
 
 # op name as the backend spells it ("aten::mul_.Tensor") -> its OpOverload
@@ -169,7 +169,7 @@ class HookEngine:
         """A write that may touch protected memory; returns what to run after it, if anything.
         `read`: the arguments it only reads that share a storage with what it writes."""
         func = overload_of(name)
-        facts = _torch.op_facts(func)
+        facts = _ops.op_facts(func)
         if not facts.written or next(_frames.user_frames(sys._getframe(0).f_back), None) is None:
             # No Python caller: torch's own thread doing an op's work (a collective's copy at
             # its `wait()`); the op was judged where it was called, a boundary check sees the rest.

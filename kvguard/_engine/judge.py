@@ -15,13 +15,17 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from kvguard import _torch
 from kvguard._engine import diff as _diff
 from kvguard._errors import MutationError
 from kvguard._protect import frames as _frames
+from kvguard._protect import geometry as _geometry
 from kvguard._protect.entries import Change, Entry
 from kvguard._protect.protected import ProtectedSet
 from kvguard._report.events import MutationEvent
+from kvguard._torch import autograd as _autograd
+from kvguard._torch import ops as _ops
+from kvguard._torch import patches as _patches
+from kvguard._torch import tensors as _tensors
 
 FREED_DIFF = "values not compared (the tensor was freed before they could be read)"
 UNOBSERVED_DIFF = ("values changed with no dispatched write: a numpy view, a raw pointer, another thread or "
@@ -38,7 +42,7 @@ CAPTURE_VALUES = "(not read: a CUDA graph is being captured on this stream)"
 CAPTURE_DIFF = ("values not compared: the write was recorded into a CUDA graph being captured, and runs when "
                 "the graph replays (a replay's change is found at the next boundary check)")
 META_DIFF = "values not compared: a meta tensor holds no data (the write covers some of its elements)"
-# The event kinds of this module's own findings (the others are the op's: `_torch.OpFacts.kind`).
+# The event kinds of this module's own findings (the others are the op's: `_ops.OpFacts.kind`).
 REDUCED_TWICE = "reduced_twice"
 SELF_OVERLAP = "self_overlap"
 TWICE_DIFF = ("{op} reached this memory a second time at this line in this guarded call, and it is held under "
@@ -85,7 +89,7 @@ class PendingWrite:
 After = Callable[..., None]  # after(failed=False): a PendingWrite, or several in a row
 
 
-def judge_all(judges: Iterable[WriteJudge], func: Any, facts: _torch.OpFacts, written: Sequence[torch.Tensor],
+def judge_all(judges: Iterable[WriteJudge], func: Any, facts: _ops.OpFacts, written: Sequence[torch.Tensor],
               args: Sequence[Any] = (), more: Callable[[], Iterable[WriteJudge]] = tuple,
               read: Any = ()) -> list[PendingWrite]:
     """Every judge's verdict on one op, in the order the op reaches them (`more()`: those
@@ -150,7 +154,7 @@ class WriteJudge:
         self._values_only = protected.values_only  # autograd's: only the values backward reads matter
         self._reached: dict[tuple[str, int, str, int], int] = {}  # reducing op at a line on an entry: times
 
-    def begin(self, func: Any, facts: _torch.OpFacts, written: Sequence[torch.Tensor],
+    def begin(self, func: Any, facts: _ops.OpFacts, written: Sequence[torch.Tensor],
               args: Sequence[Any] = (), stop: bool = True, read: Any = ()) -> Optional[PendingWrite]:
         """Judge an op about to write `written`; returns what to run once it has, if anything.
 
@@ -172,7 +176,7 @@ class WriteJudge:
             return None
         protected.settle()  # the report names every path to the tensor, as of now
         site = _frames.user_site()
-        capturing = _torch.capturing()  # no copy, digest or value read: each would break the user's capture
+        capturing = _tensors.capturing()  # no copy, digest or value read: each would break the user's capture
         counter_only = protected.counter_only  # saved tensors whose version counter alone it bumps
         # Each written entry's tensor, read once before the op (a weak reference may die at any read).
         tensors = {id(e): protected.tensor_of(e) for e in hit} if facts.kind == "write" else {}
@@ -184,7 +188,7 @@ class WriteJudge:
         notes: dict[int, tuple[str, str]] = {}  # by entry: its kind, when the write's own, and why
         if facts.kind == "write":
             read = read() if callable(read) else read
-            overlap = _torch.partial_overlap(written, read) if read else None
+            overlap = _geometry.partial_overlap(written, read) if read else None
             if overlap is not None:
                 why = OVERLAP_DIFF.format(read=_placed(read[overlap[1]]), written=_placed(written[overlap[0]]))
                 notes.update((id(e), (SELF_OVERLAP, why)) for e in hit)
@@ -206,11 +210,11 @@ class WriteJudge:
         # dropped once the event is built: memory in proportion to the write, held briefly.
         copies: dict[int, _Copy] = {}
         if facts.kind == "write" and not capturing:
-            windows = _torch.write_windows(written)
+            windows = _geometry.write_windows(written)
             for entry in (e for e in hit if id(e) not in counter_only):
                 tensor = tensors[id(entry)]
                 if tensor is not None:
-                    ranges = _torch.flat_ranges(tensor, windows)
+                    ranges = _geometry.flat_ranges(tensor, windows)
                     copies[id(entry)] = (_diff.snapshot(tensor, ranges), ranges)
         before_meta = {} if facts.kind == "write" else {id(e): _describe(protected.tensor_of(e)) for e in hit}
 
@@ -262,8 +266,7 @@ class WriteJudge:
         Only the same tensor under several paths (`m['acc_copy'] = m['acc']`): a loop over values
         never reaches a view of another entry (`S` and its split) twice through one line, while a
         plain repeated update of it (`for _ in range(k): s.mul_(g)`) does, and is no such bug."""
-        schema = getattr(func, "_schema", None)
-        name = schema.name.rpartition("::")[2] if schema is not None else ""
+        name = _ops.base_name(func)
         if name not in _REDUCING:
             return {}
         found = {}
@@ -274,7 +277,7 @@ class WriteJudge:
             reached = self._reached[key] = self._reached.get(key, 0) + 1
             paths = (entry.path,) + shared[id(entry)]
             if 2 <= reached <= 1 + len(entry.aliases):
-                found[id(entry)] = (REDUCED_TWICE, TWICE_DIFF.format(op=_torch.short_op_name(func), n=len(paths),
+                found[id(entry)] = (REDUCED_TWICE, TWICE_DIFF.format(op=_ops.short_op_name(func), n=len(paths),
                                                                      paths=", ".join(paths)))
         return found
 
@@ -296,7 +299,7 @@ class WriteJudge:
         judged = protected.written_entries((t1, t2), "repoint")
         hit = [e for e in own if any(j is e or j.ref() is e.ref() for j in judged)]
         if hit:
-            return self._repoint(_torch.SWAP_OP, hit, lambda: protected.release((t1, t2)))
+            return self._repoint(_patches.SWAP_OP, hit, lambda: protected.release((t1, t2)))
         restore = protected.release((t1, t2))  # swap_tensors refuses weak references
 
         def follow(done: bool) -> None:
@@ -317,12 +320,12 @@ class WriteJudge:
         hit = protected.written_entries((tensor,), "repoint")
         if not hit:
             return _no_repoint
-        if self._values_only and value is not None and _torch.same_values(tensor, value):
+        if self._values_only and value is not None and _tensors.same_values(tensor, value):
             def follow(done: bool) -> None:
                 if done:
                     protected.explain(hit)
             return follow
-        return self._repoint(_torch.DATA_OP, hit, lambda: _nothing)
+        return self._repoint(_patches.DATA_OP, hit, lambda: _nothing)
 
     def _repoint(self, op: str, hit: list[Entry], release: Callable[[], Callable[[], None]]) -> Callable[[bool], None]:
         """Report a re-pointing that no op dispatches: blocked before it, or reported once it is done.
@@ -364,7 +367,7 @@ class WriteJudge:
         `read_when`: a collective's values read with no `wait()` seen (where)."""
         tensor = self.protected.tensor_of(entry)
         described = _describe(tensor)
-        if _torch.capturing():
+        if _tensors.capturing():
             before, after = CAPTURE_VALUES, None if blocked else CAPTURE_VALUES
             diff = "not applied: raised before the write, the data is intact" if blocked else CAPTURE_DIFF
         elif blocked:
@@ -402,7 +405,7 @@ class WriteJudge:
         if read_when and not blocked:
             diff = f"{diff}; {PENDING_AT.format(when=read_when)}"
         event = MutationEvent(
-            path=entry.path, op=_torch.short_op_name(func), kind=kind, blocked=blocked,
+            path=entry.path, op=_ops.short_op_name(func), kind=kind, blocked=blocked,
             filename=site.filename, lineno=site.lineno, code=site.code, function=site.function,
             placed_at=entry.placed_at, tensor=described, before=before, after=after, diff=diff,
             aliases=shared or tuple(entry.aliases), detached=entry.detached,
@@ -441,7 +444,7 @@ def _overlapping(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
     if a is None or b is None:
         return False
     try:
-        return a is b or _torch.elements_overlap(a, b)
+        return a is b or _geometry.elements_overlap(a, b)
     except Exception:  # noqa: BLE001 - a layout it cannot read: not named as shared
         return False
 
@@ -464,7 +467,7 @@ def hint(func: Any, code: str = "", weights: bool = False) -> str:
     if overload == "out" or overload.endswith("_out"):  # `torch.add(a, b, out=k)`: drop out=
         return f"write to a new tensor (k = torch.{name}(...) without out=) or clone first (k = k.clone())"
     if twin and not twin.startswith("_") and callable(getattr(torch.Tensor, twin, None)):
-        given = "()" if _torch.argument_count(func) == 1 else "(...)"  # `relu_(self)`: nothing to pass
+        given = "()" if _ops.argument_count(func) == 1 else "(...)"  # `relu_(self)`: nothing to pass
         return f"write to a new tensor (k = k.{twin}{given}) or clone first (k = k.clone())"
     return GENERAL_HINT
 
@@ -511,12 +514,12 @@ def _unversioned(hit: list[Entry], tensors: dict[int, Optional[torch.Tensor]], w
         saved = tensors.get(id(entry))
         if id(entry) in counter_only or saved is None or saved.is_inference():
             continue
-        if not any(not t.is_inference() and _torch.shares_version_counter(t, saved) for t in written):
+        if not any(not t.is_inference() and _autograd.shares_version_counter(t, saved) for t in written):
             found.add(id(entry))
     return found
 
 
-def _kind(facts: _torch.OpFacts, entry: Entry, counter_only: frozenset[int],
+def _kind(facts: _ops.OpFacts, entry: Entry, counter_only: frozenset[int],
           aliased: dict[int, tuple[int, int]], notes: Optional[dict[int, tuple[str, str]]] = None) -> str:
     if id(entry) in counter_only:
         return "version"
@@ -555,7 +558,7 @@ def _defer(judge: WriteJudge, written: Sequence[torch.Tensor], report: Callable[
     with _collectives_lock:
         _collectives.append(_Collective(judge, frozenset(_storage_address(t) for t in written), report))
         if not _unhook_wait:
-            _unhook_wait.append(_torch.on_work_wait(_on_wait))
+            _unhook_wait.append(_patches.on_work_wait(_on_wait))
 
 
 def _take(which: Callable[[_Collective], bool]) -> list[_Collective]:
@@ -580,12 +583,12 @@ def _aliased(hit: list[Entry], tensors: dict[int, Optional[torch.Tensor]],
     """The entries whose elements share memory (an `expand`ed tensor) that this write changes
     in more logical elements than it names: (changed, named) by entry id."""
     found: dict[int, tuple[int, int]] = {}
-    if _torch.capturing():  # counting reads values back: it would break the capture
+    if _tensors.capturing():  # counting reads values back: it would break the capture
         return found
     for entry in hit:
         tensor = tensors[id(entry)]
-        if tensor is not None and _torch.shares_elements(tensor):
-            count = _torch.aliased_count(tensor, written)
+        if tensor is not None and _geometry.shares_elements(tensor):
+            count = _geometry.aliased_count(tensor, written)
             if count is not None and count[0] > count[1]:
                 found[id(entry)] = count
     return found

@@ -15,11 +15,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from kvguard import _torch
 from kvguard._engine.hooks import overload_of
 from kvguard._engine.judge import is_self_copy
-from kvguard._torch import (BELOW_HOOK, BELOW_INFERENCE, HOOK_KEY, INFERENCE_KEY, INFERENCE_KEY_NAME,
-                            outside_dynamo)
+from kvguard._protect import geometry as _geometry
+from kvguard._torch import dispatch as _dispatch
+from kvguard._torch import ops as _ops
+from kvguard._torch import tensors as _tensors
+from kvguard._torch.compiled import outside_dynamo
+from kvguard._torch.dispatch import BELOW_HOOK, BELOW_INFERENCE, HOOK_KEY, INFERENCE_KEY, INFERENCE_KEY_NAME
 
 
 class _State:
@@ -50,9 +53,9 @@ def install() -> int:
     names = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Overriding a previously registered kernel", once per op
-        for name in _torch.all_op_names():
+        for name in _dispatch.all_op_names():
             func = _overload(name)
-            if func is None or not _torch.op_facts(func).written or _python_original(name):
+            if func is None or not _ops.op_facts(func).written or _python_original(name):
                 continue
             namespace = name.partition("::")[0]
             try:
@@ -72,12 +75,12 @@ def uninstall() -> None:
     global _library, _inference
     if _library is not None:
         for library in _library.values():
-            _torch.destroy_library(library)
+            _dispatch.destroy_library(library)
         _library = None
         _hooked.clear()
     if _inference:
         for library in _inference.values():
-            _torch.destroy_library(library)
+            _dispatch.destroy_library(library)
     _inference = None
 
 
@@ -94,14 +97,14 @@ def watch_inference(on: bool) -> bool:
         return False
     count = getattr(_local, "inference_watchers", 0)
     if on:
-        if count == 0 and not _torch.thread_includes(INFERENCE_KEY):
-            _torch.set_thread_includes(INFERENCE_KEY, True)
+        if count == 0 and not _dispatch.thread_includes(INFERENCE_KEY):
+            _dispatch.set_thread_includes(INFERENCE_KEY, True)
             _local.inference_included = True
         _local.inference_watchers = count + 1
     elif count > 0:
         _local.inference_watchers = count - 1
         if count == 1 and getattr(_local, "inference_included", False):
-            _torch.set_thread_includes(INFERENCE_KEY, False)
+            _dispatch.set_thread_includes(INFERENCE_KEY, False)
             _local.inference_included = False
     return True
 
@@ -110,7 +113,7 @@ def _install_inference() -> bool:
     """Register the inference-mode kernels once (a fallthrough for every other op)."""
     global _inference
     if _inference is None:
-        if _library is None or _torch.has_fallback(INFERENCE_KEY):
+        if _library is None or _dispatch.has_fallback(INFERENCE_KEY):
             _inference = False
             return False
         libraries: dict[str, Any] = {"_": torch.library.Library("_", "IMPL")}  # type: ignore[no-untyped-call]
@@ -157,7 +160,7 @@ def add_protected(intervals: Sequence[tuple[int, int]], identities: Sequence[int
     """Protect more (any order, any overlap): merged into the intervals and identities, or
     instead of them (`replace`). Published as new objects: readers keep the old ones."""
     if replace:
-        merged = _torch.merge_intervals((int(a), int(b)) for a, b in intervals if a < b)
+        merged = _geometry.merge_intervals((int(a), int(b)) for a, b in intervals if a < b)
         _state.intervals = ([a for a, _ in merged], [b for _, b in merged])
         _state.identities = frozenset(int(i) for i in identities)
         return
@@ -213,16 +216,16 @@ def _python_original(name: str) -> bool:
     Calling such a kernel back from a Python kernel re-enters ours; its inner aten ops
     reach the hook anyway.
     """
-    return _torch.python_hook_kernel(name)
+    return _dispatch.python_hook_kernel(name)
 
 
 def _register(library: Any, name: str, func: Any) -> None:
-    facts = _torch.op_facts(func)
+    facts = _ops.op_facts(func)
     # Python kernels get wrapped numbers (`x.add_(2)`) as Python scalars, which the
     # original kernel's boxed call refuses for a Tensor parameter: pass them as 0-d
     # tensors of the dtype the op computes in.
-    tensor_params = _torch.tensor_params(func)
-    original = _torch.hook_kernel(func, name)
+    tensor_params = _ops.tensor_params(func)
+    original = _dispatch.hook_kernel(func, name)
     is_copy = name == "aten::copy_"
 
     def call_original(keyset: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -242,16 +245,16 @@ def _register(library: Any, name: str, func: Any) -> None:
 def _register_inference(library: Any, name: str, func: Any) -> None:
     """The kernel on the inference key: judges inference-mode writes to inference tensors
     (every other write reaches ADInplaceOrView), then runs what is below the key."""
-    facts = _torch.op_facts(func)
+    facts = _ops.op_facts(func)
     is_copy = name == "aten::copy_"
-    tensor_params = _torch.tensor_params(func)
+    tensor_params = _ops.tensor_params(func)
 
     def call_below(keyset: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return func.redispatch(keyset & BELOW_INFERENCE, *_as_tensors(args, kwargs, tensor_params), **kwargs)
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if (not _state.enabled or getattr(_local, "depth", False) or not torch.is_inference_mode_enabled()
-                or not any(t.is_inference() for t in _torch.written_tensors(facts, args, kwargs))):
+                or not any(t.is_inference() for t in _ops.written_tensors(facts, args, kwargs))):
             return call_below(keyset, args, kwargs)
         return _judged(name, facts, is_copy, keyset, args, kwargs, call_below)
 
@@ -271,9 +274,9 @@ def _judged(name: str, facts: Any, is_copy: bool, keyset: Any, args: tuple[Any, 
         after = None
         callback = state.callback
         if callback is not None:
-            written = _torch.written_tensors(facts, args, kwargs)
+            written = _ops.written_tensors(facts, args, kwargs)
             if any(map(_candidate, written)) and not (is_copy and is_self_copy(args)):
-                read = _torch.shared_reads(facts, args, kwargs, written)  # as the compiled hook passes them
+                read = _ops.shared_reads(facts, args, kwargs, written)  # as the compiled hook passes them
                 after = callback(name, tuple(written), read) if read else callback(name, tuple(written))
         if after is None:
             return call(keyset, args, kwargs)
@@ -340,7 +343,7 @@ def _candidate(tensor: torch.Tensor) -> bool:
     if state.send_all:
         return True
     try:
-        if _torch.identity(tensor) in state.identities:
+        if _tensors.identity(tensor) in state.identities:
             return True
         storage = tensor.untyped_storage()
         lo = storage.data_ptr()

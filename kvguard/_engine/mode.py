@@ -13,12 +13,13 @@ from typing import Any, Sequence
 
 import torch
 
-from kvguard import _torch
 from kvguard._engine.judge import WriteJudge, judge_all
-from kvguard._torch import TorchDispatchMode
+from kvguard._torch import dispatch as _dispatch
+from kvguard._torch import ops as _ops
+from kvguard._torch.dispatch import TorchDispatchMode
 
-_facts_cache = _torch._facts_cache
-_op_facts = _torch.op_facts
+_facts_cache = _ops._facts_cache
+_op_facts = _ops.op_facts
 
 
 class MutationGuardMode(TorchDispatchMode):
@@ -43,10 +44,10 @@ class MutationGuardMode(TorchDispatchMode):
         if facts.self_only and args:
             written = (args[0],)
         else:
-            written = _torch.written_tensors(facts, args, kwargs)
+            written = _ops.written_tensors(facts, args, kwargs)
         # Modes below this one see the op next: asked only if this guard stops it.
         pending = judge_all((self.judge,), func, facts, written, args, more=thread_judges,
-                            read=lambda: _torch.shared_reads(facts, args, kwargs, written))
+                            read=lambda: _ops.shared_reads(facts, args, kwargs, written))
         if not pending:
             return func(*args, **kwargs)
         after = pending[0]
@@ -62,7 +63,7 @@ class MutationGuardMode(TorchDispatchMode):
 def thread_judges() -> list[WriteJudge]:
     """The judges of the guards' dispatch modes on this thread, in the order ops reach them
     (inside a mode's `__torch_dispatch__`: the modes below it)."""
-    return [m.judge for m in reversed(_torch.current_dispatch_modes()) if isinstance(m, MutationGuardMode)]
+    return [m.judge for m in reversed(_dispatch.current_dispatch_modes()) if isinstance(m, MutationGuardMode)]
 
 
 class ModeAttachment:
@@ -79,5 +80,5 @@ class ModeAttachment:
         return self.mode.ops
 
     def detach(self, exc_info: tuple[Any, Any, Any]) -> None:
-        """Leave the mode stack, also out of order (see `_torch.exit_dispatch_mode`)."""
-        _torch.exit_dispatch_mode(self.mode, exc_info)
+        """Leave the mode stack, also out of order (see `_dispatch.exit_dispatch_mode`)."""
+        _dispatch.exit_dispatch_mode(self.mode, exc_info)

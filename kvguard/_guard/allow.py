@@ -13,11 +13,14 @@ import contextvars
 import re
 import sys
 import types
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Sequence
 
 from kvguard import _intended
 from kvguard._errors import ConfigError
 from kvguard._paths import check_pattern, matcher
+
+if TYPE_CHECKING:
+    import torch
 
 _reason: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("kvguard_allow", default=None)
 # The boundary checks of the active guards (each one decides whether it runs on this thread),
@@ -99,13 +102,13 @@ class Allowlist:
     def intended_reason(self, reached: _intended.Reached = tuple) -> Optional[str]:
         """Why a write now is allowed by a well-known intended writer running (`kvguard._intended`) and
         meant to write what it reaches (`reached()`: the tensors written), or None."""
-        found = _intended.writing(self.intended, sys._getframe(1), reached) if self.intended else None
+        found = _intended.writing(self.intended, sys._getframe(1), reached, _overlap) if self.intended else None
         return f"intended writer {found.writer.name}" if found is not None else None
 
     def unread_hint(self, reached: _intended.Reached = tuple) -> str:
         """For a write reported while a known writer runs whose library version is outside the range it
         was read in: a hint naming it, its versions and the fix; else ''."""
-        found = _intended.writing(self.unread, sys._getframe(1), reached) if self.unread else None
+        found = _intended.writing(self.unread, sys._getframe(1), reached, _overlap) if self.unread else None
         return _intended.hint(found) if found is not None else ""
 
     def reason(self, path: str, reached: _intended.Reached = tuple) -> Optional[str]:
@@ -120,7 +123,7 @@ class Allowlist:
         for pattern, module, qualname in self._scopes:
             if _running(module, qualname, sys._getframe(1)):
                 return f"allow={pattern}"
-        found = _intended.writing(self.intended, sys._getframe(1), reached) if self.intended else None
+        found = _intended.writing(self.intended, sys._getframe(1), reached, _overlap) if self.intended else None
         return f"intended writer {found.writer.name}" if found is not None else None
 
     def never_matching(self, path: str, name: str, said: set[str]) -> Optional[str]:
@@ -147,6 +150,14 @@ class Allowlist:
             lines.append(f"allow pattern {pattern} matches no path: paths here start with {head}, "
                          f"as {path} just written does{meant}")
         return "; ".join(lines) or None
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share an element's memory, for `_intended.writing` (imported on the first
+    question: by then torch made a write, while importing kvguard imports no torch)."""
+    from kvguard._protect.geometry import elements_overlap
+
+    return elements_overlap(a, b)
 
 
 def _running(module: str, qualname: str, frame: Optional[types.FrameType]) -> bool:

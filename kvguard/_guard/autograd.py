@@ -7,7 +7,7 @@ what they kept, not the tensors: the guard installs nothing and protects nothing
 says so. Hooks installed inside the block (checkpointing, `save_on_cpu`, offloading) are
 composed with the guard's (`saved.Composed`), since hooks do not nest; those that
 `torch.compile` inlines are left alone and counted. `torch.func`'s transforms refuse
-saved-tensor hooks: inside one, the guard's are set aside (see `_torch.let_func_transforms_run`)
+saved-tensor hooks: inside one, the guard's are set aside (see `_patches.let_func_transforms_run`)
 and the stretch is counted as unprotected.
 """
 
@@ -50,16 +50,17 @@ class AutogradGuard(Guard):
         return SavedSet(self.name)
 
     def __enter__(self) -> AutogradGuard:
-        from kvguard import _torch
+        from kvguard._torch import autograd as _autograd
+        from kvguard._torch import patches as _patches
         from kvguard._protect import saved as _saved
 
-        _torch.let_func_transforms_run(_saved.is_own_pack, _saved.count_set_aside)
-        _torch.compose_saved_tensors_hooks(_saved.compose)
-        pack = _torch.top_saved_tensors_pack()
+        _patches.let_func_transforms_run(_saved.is_own_pack, _saved.count_set_aside)
+        _patches.compose_saved_tensors_hooks(_saved.compose)
+        pack = _autograd.top_saved_tensors_pack()
         outer = _saved.set_of(pack) if pack is not None else None
         self._outer = outer if outer is not None and not outer.closed else None
-        self.inside_func_transform = _torch.saved_tensors_hooks_disabled()
-        self.delegated = self._outer is None and (pack is not None or _torch.allowing_mutation_on_saved_tensors()
+        self.inside_func_transform = _autograd.saved_tensors_hooks_disabled()
+        self.delegated = self._outer is None and (pack is not None or _autograd.allowing_mutation_on_saved_tensors()
                                                   or self.inside_func_transform)
         super().__enter__()
         if self._outer is not None:  # inside another guard_autograd: its packs are this one's too

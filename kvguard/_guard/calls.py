@@ -55,7 +55,7 @@ def wrap(fn: F, argname: str, start: Start, who: str, finish: Optional[Finish] =
     """A wrapper of `fn`'s own form that guards `argname` on each call (see the module docstring).
 
     `who` names the wrapper in messages (`kvguard.guarded('rd')`, `target m:f(rd)`).
-    Marked for Dynamo to step around it (`kvguard._torch.outside_dynamo`).
+    Marked for Dynamo to step around it (`kvguard._torch.compiled.outside_dynamo`).
     """
     try:
         signature = parameters(fn, argname)
@@ -78,7 +78,7 @@ def wrap(fn: F, argname: str, start: Start, who: str, finish: Optional[Finish] =
         wrapper = _generator_wrapper(fn, guard_for, done)
     else:
         wrapper = _plain_wrapper(fn, guard_for, done, who)
-    from kvguard._torch import outside_dynamo  # imports torch, as the code it wraps does
+    from kvguard._torch.compiled import outside_dynamo  # imports torch, as the code it wraps does
 
     return cast(F, outside_dynamo(functools.wraps(fn)(wrapper)))  # a wrapper of `fn`'s form
 

@@ -195,11 +195,11 @@ def _end_workers() -> None:
     """
     if _ending != [os.getpid()]:
         return
-    from kvguard import _torch
+    from kvguard._torch import training as _training
 
     for iterator in list(_iterators):
         try:
-            _torch.end_dataloader_workers(iterator)
+            _training.end_dataloader_workers(iterator)
         except Exception:  # noqa: BLE001 - at exit: torch's own shutdown still follows
             pass
 

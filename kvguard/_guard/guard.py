@@ -409,18 +409,18 @@ class Guard:
     def _watch_ops(self) -> None:
         """Attach to the engine (level "full"), and watch `swap_tensors` and `.data =` (which no op
         shows; at level "light", step aside for `swap_tensors` only): at entry and each resume."""
-        from kvguard import _torch
+        from kvguard._torch import patches as _patches
 
         if self.level != "full":  # no per-op hook at all; `swap_tensors` still needs our weak references aside
-            self._unhook_repoints = _torch.on_swap_tensors(self._step_aside)
+            self._unhook_repoints = _patches.on_swap_tensors(self._step_aside)
             return
         from kvguard._engine import choice as _choice
         from kvguard._engine.judge import WriteJudge
 
         if self._judge is None:
             self._judge = WriteJudge(self._protected, self._on_event, block=self.action == "raise")
-        unhook_swap = _torch.on_swap_tensors(self._judge.on_swap)
-        unhook_data = _torch.on_data_assignment(self._judge.on_data)
+        unhook_swap = _patches.on_swap_tensors(self._judge.on_swap)
+        unhook_data = _patches.on_data_assignment(self._judge.on_data)
 
         def unhook_repoints() -> None:
             unhook_data()

@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import itertools
 import os
-import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Collection, Literal, Optional, Protocol
 
@@ -91,7 +90,7 @@ class ModuleGuard(Guard):
         return ModuleSet(self.modules, fingerprint=self.fingerprint)
 
     def __enter__(self) -> ModuleGuard:
-        from kvguard import _torch
+        from kvguard._torch import patches as _patches
 
         super().__enter__()
         for optimizer in self.optimizers:
@@ -120,10 +119,10 @@ class ModuleGuard(Guard):
             live = protected()
             if live is not None:
                 live.converted(module)
-        self._unwrap.append(_torch.on_module_conversion(converting))
+        self._unwrap.append(_patches.on_module_conversion(converting))
         if self.level != "full":  # no op is seen: the intended writes the stack would show, seen otherwise
             self._protected.light = True
-            self._unwrap.append(_on_load(loaded))
+            self._unwrap.append(_patches.on_load_state_dict(loaded))
         return self
 
     def add_optimizer(self, optimizer: Optimizer, modules: Modules, loose: Loose) -> None:
@@ -206,48 +205,6 @@ class ModuleGuard(Guard):
 _holder_keys = itertools.count(1)  # what a protected set knows each optimizer by
 
 
-LoadListener = Callable[["torch.nn.Module"], None]
-_load_listeners: list[LoadListener] = []
-_load_original: Optional[Callable[..., object]] = None
-_torch_load_state_dict: Any = None  # the first method wrapped, kept for calls that outlive the undo
-_loading = threading.local()
-
-
-def _on_load(listener: LoadListener) -> Callable[[], None]:
-    """Call `listener(module)` after each outermost `Module.load_state_dict`; returns the undo."""
-    import torch
-
-    global _load_original, _torch_load_state_dict
-    if not _load_listeners:
-        _load_original = torch.nn.Module.load_state_dict
-        _torch_load_state_dict = _torch_load_state_dict or _load_original
-        torch.nn.Module.load_state_dict = _load_state_dict  # type: ignore[method-assign]
-    _load_listeners.append(listener)
-
-    def remove() -> None:
-        global _load_original
-        if listener in _load_listeners:
-            _load_listeners.remove(listener)
-        if not _load_listeners and _load_original is not None:
-            torch.nn.Module.load_state_dict = _load_original  # type: ignore[method-assign]
-            _load_original = None
-    return remove
-
-
-def _load_state_dict(self: torch.nn.Module, *args: object, **kwargs: object) -> object:
-    # Called after the undo (someone kept the wrapped method): torch's own, as it was.
-    original = _load_original if _load_original is not None else _torch_load_state_dict
-    depth = getattr(_loading, "depth", 0)
-    _loading.depth = depth + 1
-    try:
-        return original(self, *args, **kwargs)
-    finally:
-        _loading.depth = depth
-        if depth == 0:
-            for listener in list(_load_listeners):
-                listener(self)
-
-
 def _wrap_step(optimizer: Optimizer, guard: ModuleGuard) -> Callable[[], None]:
     """Wrap `optimizer.step` on the instance for the guard's block; returns the undo.
 
@@ -256,7 +213,7 @@ def _wrap_step(optimizer: Optimizer, guard: ModuleGuard) -> Callable[[], None]:
     Nothing here holds the optimizer strongly, the instance's own `step` included: a
     reference cycle would keep it (and its state) alive after `del opt`.
     """
-    from kvguard import _torch
+    from kvguard._torch import compiled as _compiled
 
     own = vars(optimizer).get("step")  # an LR scheduler's wrapper already (it holds the optimizer weakly)
     # Called with the optimizer, if not its own.
@@ -264,7 +221,7 @@ def _wrap_step(optimizer: Optimizer, guard: ModuleGuard) -> Callable[[], None]:
     active: list[Optional[ModuleGuard]] = [guard]  # None once undone: nothing of the guard kept alive
     optimizer_ref = weakref.ref(optimizer)
 
-    @functools.partial(_torch.outside_dynamo, callees=True)
+    @functools.partial(_compiled.outside_dynamo, callees=True)
     def run(self: Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> object:
         return inner(*args, **kwargs) if own is not None else inner(self, *args, **kwargs)
 
@@ -285,7 +242,7 @@ def _wrap_step(optimizer: Optimizer, guard: ModuleGuard) -> Callable[[], None]:
     # compiled as without kvguard: the same graphs and graph breaks.
     marker = step_method._kvguard_step = object()  # type: ignore[attr-defined]
     optimizer.step = WeaklyBound(  # type: ignore[method-assign]  # on the instance, as LR schedulers do
-        _torch.outside_dynamo(step_method, callees=True), optimizer)
+        _compiled.outside_dynamo(step_method, callees=True), optimizer)
     _step_outside_dynamo()
     del step_method
 
@@ -304,12 +261,12 @@ def _wrap_step(optimizer: Optimizer, guard: ModuleGuard) -> Callable[[], None]:
 def _step_outside_dynamo() -> None:
     """The step wrapper's frames and the guard's bookkeeping run eagerly under `torch.compile`
     (marked once, when torch is there): Dynamo neither traces them nor breaks a graph inside them."""
-    from kvguard import _torch
+    from kvguard._torch import compiled as _compiled
 
     if not getattr(ModuleGuard.stepping, "_torchdynamo_disable", False):
-        ModuleGuard.stepping = _torch.outside_dynamo(ModuleGuard.stepping)  # type: ignore[method-assign]
-        ModuleGuard.stepped = _torch.outside_dynamo(ModuleGuard.stepped)  # type: ignore[method-assign]
-        WeaklyBound.__call__ = _torch.outside_dynamo(WeaklyBound.__call__, callees=True)  # type: ignore[method-assign]
+        ModuleGuard.stepping = _compiled.outside_dynamo(ModuleGuard.stepping)  # type: ignore[method-assign]
+        ModuleGuard.stepped = _compiled.outside_dynamo(ModuleGuard.stepped)  # type: ignore[method-assign]
+        WeaklyBound.__call__ = _compiled.outside_dynamo(WeaklyBound.__call__, callees=True)  # type: ignore[method-assign]
 
 
 class WeaklyBound:

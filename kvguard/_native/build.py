@@ -142,7 +142,7 @@ def cxx_standard() -> str:
 def _compile_command(compiler: list[str], output: Path, standard: str) -> list[str]:
     import torch
 
-    from kvguard import _torch  # imports torch, as this function does
+    from kvguard._torch import dispatch as _dispatch  # imports torch, as this function does
 
     lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
     # torch.utils.cpp_extension.include_paths() for a CPU extension, without importing that
@@ -152,7 +152,7 @@ def _compile_command(compiler: list[str], output: Path, standard: str) -> list[s
                 sysconfig.get_paths()["include"]]
     return [
         *compiler, "-O2", f"-std={standard}", "-fPIC", "-shared",
-        f"-D_GLIBCXX_USE_CXX11_ABI={_torch.cxx11_abi()}",
+        f"-D_GLIBCXX_USE_CXX11_ABI={_dispatch.cxx11_abi()}",
         "-DTORCH_EXTENSION_NAME=write_hook",
         *(f"-I{p}" for p in includes),
         str(SOURCE), "-o", str(output),

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from kvguard import _torch
+from kvguard._torch import tensors as _tensors
 
 _digest_c: Optional[Callable[[list[tuple[Any, ...]]], list[Optional[int]]]]
 try:
@@ -43,7 +43,7 @@ def digests(tensors: Sequence[Optional[torch.Tensor]]) -> list[Digest]:
     specs: list[tuple[Any, ...]] = []
     for i, tensor in enumerate(tensors):
         try:
-            if (_digest_c is not None and type(tensor) in _torch.PLAIN and tensor.is_cpu  # type: ignore[union-attr]
+            if (_digest_c is not None and type(tensor) in _tensors.PLAIN and tensor.is_cpu  # type: ignore[union-attr]
                     and tensor.layout is _STRIDED and not tensor.is_nested  # type: ignore[union-attr]
                     and not tensor.is_quantized):  # type: ignore[union-attr]
                 # The common case, inlined: this loop runs once per protected tensor.
@@ -105,13 +105,13 @@ def _parts(t: torch.Tensor) -> Optional[list[torch.Tensor]]:
     """The plain strided tensors holding `t`'s values (a subclass's inner data, sparse parts)."""
     try:
         out: list[torch.Tensor] = []
-        for part in _torch.plain_parts(t):
+        for part in _tensors.plain_parts(t):
             if part.is_nested:
                 if part.layout != torch.jagged:
                     return None  # a strided nested tensor has no flat view of its buffer here
                 out.append(part.values())
             elif part.layout != torch.strided:
-                out += _torch.sparse_parts(part)
+                out += _tensors.sparse_parts(part)
             elif part.device.type == "meta" or part.is_quantized:
                 return None
             else:

@@ -6,8 +6,8 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from kvguard import _torch
 from kvguard._protect import digest as _digest
+from kvguard._protect import geometry as _geometry
 from kvguard._protect import records as _records
 from kvguard._protect.records import DIGEST
 
@@ -39,7 +39,7 @@ class Entry:
         self.detached = False  # no longer reachable from the guarded object
 
     @property
-    def spans(self) -> list[_torch.Span]:
+    def spans(self) -> list[_geometry.Span]:
         return _records.spans(self.record)
 
 

@@ -14,9 +14,10 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from kvguard import _torch
+from kvguard._protect import geometry as _geometry
 from kvguard._protect.collector import collector_paused
 from kvguard._protect.entries import Entry
+from kvguard._torch import tensors as _tensors
 
 
 class MemoryIndex:
@@ -61,7 +62,7 @@ class MemoryIndex:
                     groups = self._groups[span.device] = _Groups()
                 groups.add(span.start, span.stop, entry)
 
-    def _spans(self, entry: Entry) -> list[_torch.Span]:
+    def _spans(self, entry: Entry) -> list[_geometry.Span]:
         """The entry's byte spans; an entry with none (no readable memory) is found by identity."""
         spans = entry.spans
         if not spans:
@@ -94,7 +95,7 @@ class MemoryIndex:
             if entry is not None and entry.ref() is written and (written.numel() > 0 or resizes):
                 return [entry]
         found: list[Entry] = []
-        for span in _torch.spans(written):
+        for span in _geometry.spans(written):
             groups = self._groups.get(span.device)
             for members in groups.meeting(span.start, span.stop) if groups is not None else ():
                 for entry in members:
@@ -129,25 +130,25 @@ def storage_range(tensor: torch.Tensor) -> Optional[tuple[int, int]]:
         return None
 
 
-def overlaps(span: _torch.Span, written: torch.Tensor, entry: Entry) -> bool:
+def overlaps(span: _geometry.Span, written: torch.Tensor, entry: Entry) -> bool:
     if not any(s.start < span.stop and span.start < s.stop for s in entry.spans):
         return False
     tensor = entry.ref()
     if tensor is None:
         return False
     # Wrapper subclasses (DTensor, jagged) are compared through the tensors holding their data.
-    return any(_parts_overlap(span, w, t) for w in _torch.plain_parts(written) for t in _torch.plain_parts(tensor))
+    return any(_parts_overlap(span, w, t) for w in _tensors.plain_parts(written) for t in _tensors.plain_parts(tensor))
 
 
-def _parts_overlap(span: _torch.Span, written: torch.Tensor, tensor: torch.Tensor) -> bool:
+def _parts_overlap(span: _geometry.Span, written: torch.Tensor, tensor: torch.Tensor) -> bool:
     if tensor.layout != torch.strided or written.layout != torch.strided:
         return True  # sparse parts: span overlap is as exact as it gets
-    written_spans, tensor_spans = _torch.spans(written), _torch.spans(tensor)
+    written_spans, tensor_spans = _geometry.spans(written), _geometry.spans(tensor)
     if not any(a.start < b.stop and b.start < a.stop for a in written_spans for b in tensor_spans):
         return False
-    if all(_torch.dense(a, written) for a in written_spans) and all(_torch.dense(b, tensor) for b in tensor_spans):
+    if all(_geometry.dense(a, written) for a in written_spans) and all(_geometry.dense(b, tensor) for b in tensor_spans):
         return True
-    return _torch.elements_overlap(written, tensor)
+    return _geometry.elements_overlap(written, tensor)
 
 
 class _Groups:

@@ -23,9 +23,9 @@ from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
 
-from kvguard import _torch
 from kvguard._protect import digest as _digest
 from kvguard._protect import frames as _frames
+from kvguard._protect import geometry as _geometry
 from kvguard._protect import records as _records
 from kvguard._protect import tree as _tree
 from kvguard._protect.collector import collector_paused
@@ -35,6 +35,7 @@ from kvguard._protect.index import MemoryIndex, overlaps, storage_range
 from kvguard._protect.protected import ProtectedSet
 from kvguard._protect.records import DIGEST
 from kvguard._protect.watch import Watcher
+from kvguard._torch import tensors as _tensors
 
 _SWEEP_EVERY = 1024  # rows added since the last sweep, beyond the live ones then, before the next
 
@@ -148,7 +149,7 @@ class NativeSet(ProtectedSet):
         module = table_module()
         if module is None:
             raise RuntimeError("the compiled extension is not loaded")
-        self._table = module.Table(_torch.PLAIN, fingerprint)
+        self._table = module.Table(_tensors.PLAIN, fingerprint)
         # The row flags Python reads, as the table exports them (`RowFlag` in csrc/table.h).
         self._explained_flag: int = module.ROW_EXPLAINED
         self._python_flag: int = module.ROW_PYTHON
@@ -445,7 +446,7 @@ class NativeSet(ProtectedSet):
                 record = table.record(row)
                 if not _records.has_memory(record) and (written.numel() > 0 or resizes):
                     found.append(self._entry(row))
-        for span in _torch.spans(written):
+        for span in _geometry.spans(written):
             if not isinstance(span.device, torch.device):
                 continue
             for row in table.meeting(span.start, span.stop, span.device):

@@ -17,9 +17,10 @@ from typing import Hashable, Iterable, NamedTuple, Optional, Sequence, cast
 
 import torch
 
-from kvguard import _torch
 from kvguard._native.build import MODULE_NAME
 from kvguard._protect import digest as _digest
+from kvguard._protect import geometry as _geometry
+from kvguard._torch import tensors as _tensors
 
 
 class Record(NamedTuple):
@@ -42,7 +43,7 @@ class Record(NamedTuple):
     # An inference tensor, whose writes inside `torch.inference_mode()` only the write hooks'
     # inference-mode kernels see (`kvguard._engine.hooks`).
     inference: bool
-    spans: Optional[list[_torch.Span]]  # read in Python: every span (`_torch.spans`); None from C++
+    spans: Optional[list[_geometry.Span]]  # read in Python: every span (`_geometry.spans`); None from C++
 
 
 # The positions of the fields, for code that indexes a record in a hot loop.
@@ -73,7 +74,7 @@ def describe(tensors: Sequence[torch.Tensor], digest: bool, compiled: Optional[M
     found: list[Optional[Record]] = [None] * len(tensors)
     if compiled is not None:
         try:
-            found = (compiled if compiled is _bound else bind(compiled)).describe(list(tensors), _torch.PLAIN, digest)
+            found = (compiled if compiled is _bound else bind(compiled)).describe(list(tensors), _tensors.PLAIN, digest)
         except Exception:  # noqa: BLE001 - Python reads them all instead
             found = [None] * len(tensors)
     python: list[int] = []  # what C++ left to Python
@@ -86,7 +87,7 @@ def describe(tensors: Sequence[torch.Tensor], digest: bool, compiled: Optional[M
         elif record.digest is NotImplemented:
             pending.append(i)
     digests = dict(zip(pending, _digest.digests([tensors[i] for i in pending]))) if pending else {}
-    new, fingerprint, spans_of, value = _new_record, _torch.storage_fingerprint, _torch.spans, digests.get
+    new, fingerprint, spans_of, value = _new_record, _tensors.storage_fingerprint, _geometry.spans, digests.get
     for i in python:
         tensor = tensors[i]
         found[i] = new(Record, (fingerprint(tensor), _impl(tensor), None, 0, 0, None, value(i),
@@ -98,12 +99,12 @@ def describe(tensors: Sequence[torch.Tensor], digest: bool, compiled: Optional[M
     return cast("list[Record]", found)  # every None was replaced above
 
 
-def spans(record: Record) -> list[_torch.Span]:
-    """The byte spans of a record's tensor, as `_torch.spans` gives them."""
+def spans(record: Record) -> list[_geometry.Span]:
+    """The byte spans of a record's tensor, as `_geometry.spans` gives them."""
     if record.spans is not None:
         return record.spans
     device = record.device
-    return [_torch.Span(device, record.start, record.stop, record.dense)] if record.stop and device is not None else []
+    return [_geometry.Span(device, record.start, record.stop, record.dense)] if record.stop and device is not None else []
 
 
 def has_memory(record: Record) -> bool:
@@ -114,7 +115,7 @@ def has_memory(record: Record) -> bool:
 def intervals(records: Iterable[Record]) -> list[tuple[int, int]]:
     """The `[start, stop)` byte ranges of the records' tensors (all devices together), unsorted.
 
-    Only real memory: a meta tensor's spans are offsets in its storage (`_torch.spans`).
+    Only real memory: a meta tensor's spans are offsets in its storage (`_geometry.spans`).
     """
     found = []
     for record in records:
@@ -146,11 +147,11 @@ def layout_text(record: Record) -> str:
 
 def tensor_text(tensor: torch.Tensor) -> str:
     """How a report shows a live tensor's memory and layout (read in Python, fully)."""
-    return _fingerprint_text(_torch.storage_fingerprint(tensor))
+    return _fingerprint_text(_tensors.storage_fingerprint(tensor))
 
 
 def _fingerprint_text(fp: Hashable) -> str:
-    """A `_torch.storage_fingerprint` as a report shows it."""
+    """A `_tensors.storage_fingerprint` as a report shows it."""
     if isinstance(fp, tuple) and len(fp) >= 5:
         return f"data_ptr {fp[1]:#x}, shape {tuple(fp[2])}, stride {fp[3]}, offset {fp[4]}"
     return repr(fp[1:]) if isinstance(fp, tuple) and len(fp) > 1 else "unknown"
@@ -165,6 +166,6 @@ def _is_inference(tensor: torch.Tensor) -> bool:
 
 def _impl(tensor: torch.Tensor) -> Optional[int]:
     try:
-        return _torch.identity(tensor)
+        return _tensors.identity(tensor)
     except Exception:  # noqa: BLE001 - a subclass without one: found by its memory
         return None

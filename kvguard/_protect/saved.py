@@ -30,7 +30,6 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from kvguard import _torch
 from kvguard._protect import frames as _frames
 from kvguard._protect import records as _records
 from kvguard._protect.entries import Entry
@@ -38,6 +37,8 @@ from kvguard._protect.queued import QueuedSet
 from kvguard._protect.records import DEVICE, IMPL, INFERENCE, START, STOP
 from kvguard._report.events import SAVED_PREFIX
 from kvguard._text import say
+from kvguard._torch import autograd as _autograd
+from kvguard._torch import tensors as _tensors
 
 FLUSH_EVERY = 256  # saved tensors waiting for the next look at most (a forward with no write op)
 _DESCRIBED_MAX = 4096  # saved tensors told to the write hook whose entries wait for Python, at most
@@ -63,7 +64,7 @@ class Saved:
         self.site = site  # (co_filename, line), shown as `file.py:LINE` (`site_text`)
         self.saver: Optional[str] = None  # "SigmoidBackward0: result", once a report needed it
         self.writes: list[str] = []  # the writes kvguard reported on it, for backward's error
-        self.read_by: Optional[int] = None  # the backward node that last unpacked it (`_torch.node_serial`)
+        self.read_by: Optional[int] = None  # the backward node that last unpacked it (`_autograd.node_serial`)
         self.burst: Optional[_Burst] = None  # the forward stretch that saved it (`SavedSet.graphs`)
         self.task: Optional[int] = None  # the backward pass that first read it
 
@@ -130,11 +131,11 @@ class _Lent(weakref.ref):  # type: ignore[type-arg]
     """
 
     def __new__(cls, tensor: torch.Tensor, callback: Any, saved: Saved, owner: Optional[Kept]) -> _Lent:
-        base = _torch.view_base(tensor)
+        base = _autograd.view_base(tensor)
         return super().__new__(cls, base if base is not None else tensor, _lent_died)
 
     def __init__(self, tensor: torch.Tensor, callback: Any, saved: Saved, owner: Optional[Kept]) -> None:
-        base = _torch.view_base(tensor)  # `__new__` set the referent and the callback
+        base = _autograd.view_base(tensor)  # `__new__` set the referent and the callback
         self.view = tensor.detach() if base is not None else None
         self.info = saved
         self.on_death = callback
@@ -177,13 +178,13 @@ class Composed:
     def pack(self, tensor: torch.Tensor) -> Any:
         inner = self.their_pack(tensor)  # may raise: a checkpoint stops its recomputation so
         owner = self.owner
-        if owner.closed or _torch.allowing_mutation_on_saved_tensors():
+        if owner.closed or _autograd.allowing_mutation_on_saved_tensors():
             return inner  # writes are legal there (autograd keeps a copy): theirs alone
         try:
             saved = Saved(None, _frames.first_user_line(sys._getframe(1)))
             kept = Kept(inner, saved)
             # An alias their hook keeps (a recomputation's `x.detach()`) is protected while it lives.
-            alias = isinstance(inner, torch.Tensor) and inner is not tensor and _torch.shares_version_counter(
+            alias = isinstance(inner, torch.Tensor) and inner is not tensor and _autograd.shares_version_counter(
                 inner, tensor)
             owner.lend(saved, inner if alias else tensor, None if alias else kept)
         except Exception:  # noqa: BLE001 - never fail the user's forward; but never call it clean
@@ -317,7 +318,7 @@ class SavedSet(QueuedSet):
     def adopt(self, ref: Any, saved: Saved, tensor: torch.Tensor) -> None:
         """Protect what `ref` gives from now on: its memory told to the compiled write hook now
         (its entry made at the next look), or, where that cannot be, from the next look on."""
-        if saved.burst is None and _torch.current_graph_task_id() == -1:  # saved inside backward: its pass counts it
+        if saved.burst is None and _autograd.current_graph_task_id() == -1:  # saved inside backward: its pass counts it
             state = self._state
             if state.backward_since_pack or state.burst is None:
                 state.backward_since_pack = False
@@ -365,7 +366,7 @@ class SavedSet(QueuedSet):
         if not live:
             return
         try:
-            records = fast.describe([tensor for _, tensor in live], _torch.PLAIN, False)
+            records = fast.describe([tensor for _, tensor in live], _tensors.PLAIN, False)
         except Exception:  # noqa: BLE001 - Python describes them (`_flush`)
             records = [None] * len(live)
         spans: list[tuple[int, int]] = []
@@ -427,10 +428,10 @@ class SavedSet(QueuedSet):
 
     def read(self, saved: Saved) -> None:
         """Backward unpacked `saved`: counted with its graph, and its node may now use it as scratch."""
-        node = _torch.current_autograd_node()
+        node = _autograd.current_autograd_node()
         if node is not None:  # its own backward may now write it (Megatron's cross-entropy does)
-            saved.read_by = _torch.node_serial(node)
-        task = _torch.current_graph_task_id()
+            saved.read_by = _autograd.node_serial(node)
+        task = _autograd.current_graph_task_id()
         if task == -1 or saved.task is not None:
             return  # read outside backward (`grad_fn._saved_x`), or again (retain_graph)
         state = self._state
@@ -454,7 +455,7 @@ class SavedSet(QueuedSet):
         """PyTorch's words for a saved tensor written since, then what kvguard saw."""
         tensor = saved.tensor
         assert tensor is not None
-        node = _torch.current_autograd_node()
+        node = _autograd.current_autograd_node()
         name = type(node).__name__ if node is not None else "its node"
         head = (f"{TORCH_CHECK}: [{_type_text(tensor)} {_shape_text(tensor)}], which {name} saved, is at version "
                 f"{tensor._version}; expected version {saved.version} instead. {TORCH_HINT}")
@@ -619,8 +620,8 @@ class SavedSet(QueuedSet):
                 self.counter_only = frozenset(map(id, hit))
             else:
                 self.counter_only = frozenset(id(e) for e in hit if not _same_view(e, written))
-        if hit and (node := _torch.current_autograd_node()) is not None:
-            hit = self._not_read_by(_torch.node_serial(node), hit)
+        if hit and (node := _autograd.current_autograd_node()) is not None:
+            hit = self._not_read_by(_autograd.node_serial(node), hit)
         return self._named(hit) if hit else hit
 
     def _not_read_by(self, serial: Optional[int], hit: list[Entry]) -> list[Entry]:
@@ -635,7 +636,7 @@ class SavedSet(QueuedSet):
         for tensor in written:
             for entry in self._memory.in_storage_of(tensor):
                 saved = entry.ref()
-                if saved is not None and entry not in found and _torch.shares_version_counter(tensor, saved):
+                if saved is not None and entry not in found and _autograd.shares_version_counter(tensor, saved):
                     found.append(entry)
         return found
 
@@ -687,13 +688,13 @@ class SavedSet(QueuedSet):
                 continue
             seen.add(id(node))
             kept.append(node)
-            for slot, data in _torch.saved_slots(node):
+            for slot, data in _autograd.saved_slots(node):
                 if type(data) is Kept:  # saved under composed hooks
                     data = data.saved
                 if type(data) in _SAVED_TYPES and data.saver is None:
                     data.saver = f"{type(node).__name__}: {slot}"
                     unnamed.pop(id(data), None)
-            stack += _torch.next_nodes(node)
+            stack += _autograd.next_nodes(node)
 
     def close(self) -> None:
         self.closed = True
@@ -756,7 +757,7 @@ def _values_of(tensor: torch.Tensor) -> torch.Tensor:
     autograd checks moves.
     """
     try:
-        parts = _torch.sparse_parts(tensor)
+        parts = _tensors.sparse_parts(tensor)
     except Exception:  # noqa: BLE001 - a subclass without parts: judged whole
         return tensor
     return parts[-1] if parts else tensor
@@ -813,11 +814,11 @@ def compose(pack: Any, unpack: Any) -> Optional[tuple[Any, Any]]:
     """Hooks being pushed: composed with kvguard's when those are innermost (see `Composed`)."""
     if set_of(pack) is not None:
         return None  # kvguard's own (a guard entered, or set back after a torch.func transform)
-    top = _torch.top_saved_tensors_pack()
+    top = _autograd.top_saved_tensors_pack()
     owner = set_of(top) if top is not None else None
     if owner is None or owner.closed:
         return None
-    if _torch.inlineable_hook(pack) or _torch.inlineable_hook(unpack):
+    if _autograd.inlineable_hook(pack) or _autograd.inlineable_hook(unpack):
         owner.unprotected += 1  # torch.compile inlines these into its graph: left as they are
         return None
     composed = Composed(pack, unpack, owner)

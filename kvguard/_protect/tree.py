@@ -20,7 +20,8 @@ TensorDict's `_tensordict`, a `UserDict`'s `data`). Slots and deques, which the 
 cannot see into, are read in Python; only guards that hold one pay for it.
 
 Stdlib only: a leaf is a tensor when `is_tensor(leaf)` says so, so this module never
-imports torch; it reads `torch.utils._pytree` only when torch is already imported.
+imports torch; it asks the fence for pytree nodes (`kvguard._torch.pytree`) only when torch
+is already imported.
 """
 
 from __future__ import annotations
@@ -34,9 +35,16 @@ import types
 from collections.abc import Mapping
 from itertools import accumulate, chain, islice
 from operator import is_
-from typing import Any, Callable, Collection, Iterator, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, NamedTuple, Optional, Union, cast
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvguard._torch.pytree import Child as PytreeChild
 
 Container = Any  # anything walked: dict, list, tuple, dataclass, namespace, pytree node, Mapping
+Step = object  # a chain step: an item's key or index, an `Attr`, or a pytree node's own key
+Chain = tuple[tuple[Container, Step], ...]  # (container, step) from the root down
 
 
 class Attr(NamedTuple):
@@ -49,8 +57,8 @@ class Leaf(NamedTuple):
     """A tensor found in the tree: its path, itself, and `(container, step)` from the root."""
 
     path: str
-    tensor: Any
-    chain: tuple[tuple[Container, Any], ...]
+    tensor: torch.Tensor
+    chain: Chain
 
 
 _leaf = functools.partial(tuple.__new__, Leaf)  # Leaf((path, tensor, chain)) without the Python-level __new__
@@ -61,21 +69,21 @@ class Run(NamedTuple):
     `f"{path}[{i}]"`, by the chain `chain + ((lst, i),)`. No leaf is made per tensor."""
 
     path: str
-    lst: list[Any]
-    chain: tuple[tuple[Container, Any], ...]
-    tensors: list[Any]
+    lst: list[object]  # the list itself (it holds `tensors`)
+    chain: Chain
+    tensors: list[torch.Tensor]
 
     def leaves(self) -> list[Leaf]:
         return [_leaf((f"{self.path}[{i}]", t, self.chain + ((self.lst, i),))) for i, t in enumerate(self.tensors)]
 
 
-def leaves_of(found: list[Any]) -> list[Leaf]:
+def leaves_of(found: list[Union[Leaf, Run]]) -> list[Leaf]:
     """A walk's leaves with its runs spelled out, one leaf per tensor."""
     if not any(type(item) is Run for item in found):
-        return found
+        return cast(list[Leaf], found)
     out: list[Leaf] = []
     for item in found:
-        if type(item) is Run:
+        if isinstance(item, Run):
             out += item.leaves()
         else:
             out.append(item)
@@ -85,8 +93,8 @@ def leaves_of(found: list[Any]) -> list[Leaf]:
 class Probe(NamedTuple):
     """A container the C check cannot see into (slots, a deque): `read(obj)` gives what it holds."""
 
-    obj: Any
-    read: Callable[[Any], tuple[Any, ...]]
+    obj: object
+    read: Callable[[Any], tuple[object, ...]]  # `tuple` for a deque
 
 
 # kinds of container
@@ -94,28 +102,26 @@ _LEAF, _DICT, _LIST, _TUPLE, _NAMEDTUPLE, _DATACLASS, _NAMESPACE, _PYTREE, _MAPP
 _ATTRIBUTE_KINDS = (_DATACLASS, _NAMESPACE, _PYTREE, _MAPPING)
 
 
-_pytree_module: Any = None  # `torch.utils._pytree` once found: every walk reads its registry
+# The fence's pytree reads (`kvguard._torch.pytree`), found once torch is imported: every walk asks them.
+_registered_nodes: Optional[Callable[[], Optional[Mapping[type, object]]]] = None
+_node_children: Optional[Callable[[object], Iterator[PytreeChild]]] = None
 
 
-def _pytree() -> Any:
-    """`torch.utils._pytree`, only if torch is imported already (never imports torch)."""
-    global _pytree_module
-    if _pytree_module is not None:
-        return _pytree_module
-    if "torch" not in sys.modules:
-        return None
-    from kvguard import _torch  # torch is imported: this adds kvguard's one module on its private APIs
+def _load_pytree() -> None:
+    """Find the fence's pytree reads, only if torch is imported already (never imports torch)."""
+    global _registered_nodes, _node_children
+    if _registered_nodes is None and "torch" in sys.modules:
+        from kvguard._torch import pytree  # torch is imported: this adds the fence's pytree reads
 
-    _pytree_module = _torch.pytree()
-    return _pytree_module
+        _registered_nodes, _node_children = pytree.registered_nodes, pytree.children
 
 
-def _pytree_nodes() -> Optional[Mapping[type, Any]]:
-    nodes = getattr(_pytree(), "SUPPORTED_NODES", None)
-    return nodes if isinstance(nodes, dict) else None
+def _pytree_nodes() -> Optional[Mapping[type, object]]:
+    _load_pytree()
+    return _registered_nodes() if _registered_nodes is not None else None
 
 
-def _kind(tp: type, nodes: Optional[Mapping[type, Any]]) -> int:
+def _kind(tp: type, nodes: Optional[Mapping[type, object]]) -> int:
     try:
         if issubclass(tp, dict):
             return _DICT
@@ -140,29 +146,29 @@ _COMMON_LEAVES = (int, float, str, bool, bytes, type(None))
 _COMMON_KINDS: dict[type, int] = {dict: _DICT, list: _LIST, tuple: _TUPLE, **{tp: _LEAF for tp in _COMMON_LEAVES}}
 
 
-def walkable(obj: Any) -> bool:
+def walkable(obj: object) -> bool:
     """Whether `walk` looks inside `obj` (a tensor is a leaf, not walkable)."""
     return _kind(type(obj), _pytree_nodes()) != _LEAF
 
 
-def is_container(obj: Any) -> bool:
+def is_container(obj: object) -> bool:
     return walkable(obj)
 
 
-def _repr(key: Any) -> str:
+def _repr(key: object) -> str:
     try:
         return repr(key)
     except Exception:  # noqa: BLE001 - a key whose repr raises
         return f"<{type(key).__name__}>"
 
 
-def _attr(name: Any) -> str:
+def _attr(name: object) -> str:
     if isinstance(name, str) and name.isidentifier() and not keyword.iskeyword(name):
         return f".{name}"
     return f".__dict__[{_repr(name)}]"  # setattr(ns, "a-b", t)
 
 
-def _instance_dict(obj: Any) -> Optional[dict[str, Any]]:
+def _instance_dict(obj: object) -> Optional[dict[str, Any]]:
     try:
         found = object.__getattribute__(obj, "__dict__")
     except Exception:  # noqa: BLE001 - no __dict__ (slots), or a property that raises
@@ -171,10 +177,10 @@ def _instance_dict(obj: Any) -> Optional[dict[str, Any]]:
 
 
 # One child: (key for `keys`/`ignore`, the child, chain step, path suffix if not the step's own)
-_Child = tuple[Any, Any, Any, Optional[str]]
+_Child = tuple[object, object, Step, Optional[str]]
 
 
-def step_text(step: Any) -> str:
+def step_text(step: object) -> str:
     """The path suffix of a chain step: `.kl` for `Attr("kl")`, `['kl']` / `[0]` for an item."""
     if type(step) is int:  # a list index, the most common step: no repr call
         return f"[{step}]"
@@ -182,7 +188,7 @@ def step_text(step: Any) -> str:
 
 
 def _children(obj: Any, kind: int) -> list[_Child]:
-    """The children of one container, in order; user code that raises stops the list there."""
+    """The children of one container of `kind`, in order; user code that raises stops the list there."""
     if kind == _DICT:
         return [(key, value, key, None) for key, value in dict.items(obj)]
     if kind == _LIST:
@@ -223,35 +229,24 @@ def _dataclass_children(obj: Any) -> Iterator[_Child]:
             yield name, value, Attr(name), None
 
 
-def _pytree_children(obj: Any) -> Iterator[_Child]:
-    pytree = _pytree()
-    if pytree is None:
+def _pytree_children(obj: object) -> Iterator[_Child]:
+    _load_pytree()
+    if _node_children is None:
         return
-    node = pytree.SUPPORTED_NODES.get(type(obj))
-    if node is None:
-        return
-    if node.flatten_with_keys_fn is None:
-        children, _ = node.flatten_fn(obj)
-        for i, value in enumerate(children):
-            yield i, value, i, None
-        return
-    pairs, _ = node.flatten_with_keys_fn(obj)
-    for entry, value in pairs:
-        if isinstance(entry, pytree.MappingKey):
-            yield entry.key, value, entry.key, None
-        elif isinstance(entry, pytree.SequenceKey):
-            yield entry.idx, value, entry.idx, None
-        elif isinstance(entry, pytree.GetAttrKey):
-            yield entry.name, value, Attr(entry.name), None
-        else:
+    for how, key, value in _node_children(obj):
+        if how == "item":  # a mapping key or a sequence index
+            yield key, value, key, None
+        elif how == "attr":
+            yield key, value, Attr(cast(str, key)), None
+        else:  # a key class of the node's own: it prints as its path suffix
             try:
-                suffix = str(entry)
+                suffix = str(key)
             except Exception:  # noqa: BLE001
-                suffix = f"[{_repr(entry)}]"
-            yield entry, value, entry, suffix
+                suffix = f"[{_repr(key)}]"
+            yield key, value, key, suffix
 
 
-def _mapping_children(obj: Mapping[Any, Any]) -> Iterator[_Child]:
+def _mapping_children(obj: Mapping[object, object]) -> Iterator[_Child]:
     """Any other Mapping: its keys (at most `len()` of them), each read once with `[key]`."""
     for key in list(islice(iter(obj), len(obj))):
         try:
@@ -261,7 +256,7 @@ def _mapping_children(obj: Mapping[Any, Any]) -> Iterator[_Child]:
         yield key, value, key, None
 
 
-def child_items(obj: Container) -> Iterator[tuple[Any, str, Any]]:
+def child_items(obj: Container) -> Iterator[tuple[object, str, object]]:
     """`(key, path suffix, child)` of one container: `['kl']`, `[0]`, `.field`."""
     try:
         children = _children(obj, _kind(type(obj), _pytree_nodes()))
@@ -271,7 +266,7 @@ def child_items(obj: Container) -> Iterator[tuple[Any, str, Any]]:
         yield key, suffix if suffix is not None else step_text(step), value
 
 
-def _slot_descriptors(tp: type) -> tuple[Any, ...]:
+def _slot_descriptors(tp: type) -> tuple[types.MemberDescriptorType, ...]:
     """The member descriptors of every slot of `tp` (its own and its bases')."""
     found = []
     for klass in tp.__mro__:
@@ -284,10 +279,11 @@ def _slot_descriptors(tp: type) -> tuple[Any, ...]:
 
 
 _UNSET = object()  # an empty slot
+_Slots = dict[type, tuple[types.MemberDescriptorType, ...]]  # each type's slot descriptors, per walk
 
 
-def _read_slots(descriptors: tuple[Any, ...]) -> Callable[[Any], tuple[Any, ...]]:
-    def read(obj: Any) -> tuple[Any, ...]:
+def _read_slots(descriptors: tuple[types.MemberDescriptorType, ...]) -> Callable[[object], tuple[object, ...]]:
+    def read(obj: object) -> tuple[object, ...]:
         values = []
         for desc in descriptors:
             try:
@@ -303,17 +299,17 @@ class Owner(NamedTuple):
 
     obj: Container
     path: str
-    chain: tuple[tuple[Container, Any], ...]
+    chain: Chain
 
 
 _owner = functools.partial(tuple.__new__, Owner)  # Owner((obj, path, chain)) without the Python-level __new__
 
 
-def _watch(obj: Any, kind: int, watched: list[Container], ids: set[int], slots: dict[type, tuple[Any, ...]],
+def _watch(obj: object, kind: int, watched: list[Container], ids: set[int], slots: _Slots,
            owner: Optional[Owner], owners: Optional[dict[int, Owner]]) -> None:
     """Add what must be compared to notice a store into `obj` (and, in `owners`, that it is `obj`'s)."""
 
-    def add(container: Any) -> None:
+    def add(container: object) -> None:
         if id(container) not in ids:
             ids.add(id(container))
             watched.append(container)
@@ -325,7 +321,7 @@ def _watch(obj: Any, kind: int, watched: list[Container], ids: set[int], slots: 
         return
     if kind not in _ATTRIBUTE_KINDS:
         return  # tuples and namedtuples are immutable
-    attributes: list[Any] = []
+    attributes: list[object] = []
     own = _instance_dict(obj)
     if own is not None:
         add(own)
@@ -348,17 +344,17 @@ def _watch(obj: Any, kind: int, watched: list[Container], ids: set[int], slots: 
 
 
 def walk(
-    root: Any,
+    root: object,
     name: str,
-    is_tensor: Callable[[Any], bool] | type,
-    keys: Optional[Collection[Any]] = None,
-    ignore: Collection[Any] = (),
+    is_tensor: Callable[[object], bool] | type,
+    keys: Optional[Collection[object]] = None,
+    ignore: Collection[object] = (),
     top_keys: Optional[set[Any]] = None,
-    chain: tuple[tuple[Container, Any], ...] = (),
-    seen: Optional[dict[int, Any]] = None,
+    chain: Chain = (),
+    seen: Optional[dict[int, object]] = None,
     owners: Optional[dict[int, Owner]] = None,
     runs: bool = False,
-) -> tuple[list[Any], list[Container]]:
+) -> tuple[list[Union[Leaf, Run]], list[Container]]:
     """All tensor leaves under `root`, and what to watch to notice placements.
 
     A leaf is a tensor when `is_tensor(leaf)` says so, or, when `is_tensor` is a type
@@ -381,7 +377,7 @@ def walk(
     With `runs`, a list of tensors below the root is one `Run` in the first list, not a
     leaf per tensor (`leaves_of` spells them out).
     """
-    leaves: list[Any] = []  # Leaf, or Run with `runs`
+    leaves: list[Union[Leaf, Run]] = []  # Run only with `runs`
     watched: list[Container] = []
     seen = {} if seen is None else seen
     if isinstance(is_tensor, type):
@@ -395,15 +391,15 @@ def walk(
     # ones known up front (a per-sample list of ints costs no `_kind` per walk).
     kinds: dict[type, int] = dict(_COMMON_KINDS) if nodes is None or not any(
         tp in nodes for tp in _COMMON_LEAVES) else {}
-    slots: dict[type, tuple[Any, ...]] = {}
+    slots: _Slots = {}
     if is_tensor(root):
-        return [Leaf(name, root, chain)], watched
+        return [Leaf(name, cast("torch.Tensor", root), chain)], watched
     if type(root) not in kinds:
         kinds[type(root)] = _kind(type(root), nodes)
     # Depth first, children in order, on an explicit stack (deep chains cannot overflow
     # it). Only tensors and containers are pushed: a wide dict of numbers costs one type
     # lookup per value, with no path built for it.
-    stack: list[tuple[Any, str, tuple[tuple[Container, Any], ...], bool]] = [(root, name, chain, False)]
+    stack: list[tuple[object, str, Chain, bool]] = [(root, name, chain, False)]
     while stack:
         obj, path, chain_, is_leaf = stack.pop()
         if is_leaf:
@@ -426,7 +422,7 @@ def walk(
         if kind == _LIST and chain_ and tensor_type is not None and runs and _list_tensors_c is not None:
             tensors = _list_tensors_c(obj, tensor_type)  # a list of tensors: one run
             if tensors is not None:
-                leaves.append(Run(path, obj, chain_, tensors))
+                leaves.append(Run(path, cast("list[object]", obj), chain_, tensors))
                 continue
         if kind == _LIST and chain_ and tensor_type is not None and _list_leaves_c is not None:
             found = _list_leaves_c(obj, path, chain_, tensor_type, Leaf)  # a list of tensors, in C
@@ -464,7 +460,7 @@ def walk(
     return leaves, watched
 
 
-def top_level(children: list[_Child], keys: Optional[Collection[Any]], ignore: Collection[Any],
+def top_level(children: list[_Child], keys: Optional[Collection[object]], ignore: Collection[object],
               top_keys: Optional[set[Any]]) -> list[_Child]:
     """The root's children that `keys` and `ignore` keep; every key goes into `top_keys`."""
     kept = []
@@ -481,16 +477,16 @@ def top_level(children: list[_Child], keys: Optional[Collection[Any]], ignore: C
     return kept
 
 
-def _contains(collection: Collection[Any], key: Any) -> bool:
+def _contains(collection: Collection[object], key: object) -> bool:
     try:
         return key in collection
     except Exception:  # noqa: BLE001 - a key whose __eq__ or __hash__ raises matches nothing
         return False
 
 
-_same_values_c: Optional[Callable[[tuple[Any, ...], tuple[Any, ...]], bool]]
-_list_leaves_c: Optional[Callable[..., Optional[list[Any]]]]
-_list_tensors_c: Optional[Callable[..., Optional[list[Any]]]]
+_same_values_c: Optional[Callable[[tuple[object, ...], tuple[object, ...]], bool]]
+_list_leaves_c: Optional[Callable[..., Optional[list[Leaf]]]]
+_list_tensors_c: Optional[Callable[..., Optional[list[torch.Tensor]]]]
 try:  # the same check, and the leaves of a list of tensors, in C, when the optional extension built
     from kvguard._native import speedups as _speedups
 
@@ -507,13 +503,13 @@ class Snapshot(NamedTuple):
     address can be reused by a new object while the snapshot is compared against.
     """
 
-    containers: tuple[Any, ...]  # the dicts and lists themselves
-    views: tuple[Any, ...]  # each list, and each dict's live `.values()` (the Python check)
-    held: tuple[Any, ...]  # their values, in order
-    probes: tuple[tuple[Probe, Optional[tuple[Any, ...]]], ...] = ()  # (probe, what it read): in Python
+    containers: tuple[Container, ...]  # the dicts and lists themselves
+    views: tuple[Collection[object], ...]  # each list, and each dict's live `.values()` (the Python check)
+    held: tuple[object, ...]  # their values, in order
+    probes: tuple[tuple[Probe, Optional[tuple[object, ...]]], ...] = ()  # (probe, what it read): in Python
     probed: bool = False  # whether there are probes (a bool, so `changed` stays one expression)
     ends: tuple[int, ...] = ()  # where each container's values end in `held`
-    keys: tuple[Any, ...] = ()  # every dict's keys, in order: a renamed key moves paths, not values
+    keys: tuple[object, ...] = ()  # every dict's keys, in order: a renamed key moves paths, not values
 
 
 def snapshot(containers: list[Container]) -> Snapshot:
@@ -527,7 +523,7 @@ def snapshot(containers: list[Container]) -> Snapshot:
     return Snapshot(plain, views, tuple(chain.from_iterable(views)), probes, bool(probes), ends, _keys(plain))
 
 
-def _keys(containers: tuple[Any, ...]) -> tuple[Any, ...]:
+def _keys(containers: tuple[Container, ...]) -> tuple[object, ...]:
     return tuple(chain.from_iterable(dict.keys(c) for c in containers if isinstance(c, dict)))
 
 
@@ -541,9 +537,9 @@ def keys_changed(snap: Snapshot) -> bool:
     return len(now) != len(snap.keys) or not all(map(is_, now, snap.keys))
 
 
-def changed_at(snap: Snapshot) -> list[tuple[Any, tuple[Any, ...]]]:
+def changed_at(snap: Snapshot) -> list[tuple[Container, tuple[object, ...]]]:
     """The watched containers and probes that changed, each with what it held before."""
-    found: list[tuple[Any, tuple[Any, ...]]] = []
+    found: list[tuple[Container, tuple[object, ...]]] = []
     start = 0
     same_c = _same_values_c
     for container, view, end in zip(snap.containers, snap.views, snap.ends):
@@ -556,7 +552,8 @@ def changed_at(snap: Snapshot) -> list[tuple[Any, tuple[Any, ...]]]:
     return found
 
 
-def new_children(container: Any, held: tuple[Any, ...]) -> Optional[tuple[list[tuple[Any, Any]], list[Any]]]:
+def new_children(container: object, held: tuple[object, ...]
+                 ) -> Optional[tuple[list[tuple[object, object]], list[object]]]:
     """What changed in a dict or list since it held `held`: `(step, value)` of the values
     not where they were, and the values it no longer holds. None for other containers
     (walk them again).
@@ -566,7 +563,7 @@ def new_children(container: Any, held: tuple[Any, ...]) -> Optional[tuple[list[t
     """
     if isinstance(container, list):
         values = list.copy(container)
-        steps: Any = None  # the index
+        steps: Optional[list[object]] = None  # the index
     elif isinstance(container, dict):
         items = list(dict.items(container))
         values = [value for _, value in items]
@@ -601,7 +598,7 @@ def _changed_py(snap: Snapshot) -> bool:
     return sum(map(len, views)) != len(snap.held) or not all(map(is_, chain.from_iterable(views), snap.held))
 
 
-def _read(probe: Probe) -> Optional[tuple[Any, ...]]:
+def _read(probe: Probe) -> Optional[tuple[object, ...]]:
     try:
         return probe.read(probe.obj)
     except Exception:  # noqa: BLE001 - a deque mutated while read
@@ -612,7 +609,7 @@ def _probes_changed(snap: Snapshot) -> bool:
     return any(_probe_changed(probe, held) for probe, held in snap.probes)
 
 
-def _probe_changed(probe: Probe, held: Optional[tuple[Any, ...]]) -> bool:
+def _probe_changed(probe: Probe, held: Optional[tuple[object, ...]]) -> bool:
     now = _read(probe)
     if now is None or held is None:
         return now is not held
