@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Literal, NotRequired, Optional, TypedDict, Union, cast
 
 from kvguard._paths import collapse
 from kvguard._report.files import FILE_PREFIX, SCHEMA
@@ -20,7 +20,50 @@ from kvguard._kinds import DATA
 from kvguard._report.tally import short_site, unprotected_text
 from kvguard._text import plural
 
-Record = dict[str, Any]
+
+
+# The records as `_parse` reads them: the fields it checks have their types; the others
+# are as written (kvguard's own values), or anything in a file written by hand (object).
+class _Common(TypedDict):
+    schema: int
+    run: str
+    host: str
+    pid: int
+    rank: NotRequired[Any]  # an int, or None (rank unknown); read where it is an int
+    time: NotRequired[object]
+
+
+class Header(_Common):
+    record: Literal["header"]
+
+
+class Event(_Common):
+    record: Literal["event"]
+    path: str
+    op: str
+    filename: str
+    lineno: int
+    call: NotRequired[object]
+    kind: NotRequired[object]
+    code: NotRequired[object]
+    blocked: NotRequired[object]
+
+
+class Summary(_Common):
+    record: Literal["summary"]
+    calls: int
+    writes: int
+    sites: list[object]
+    allowed: NotRequired[object]
+    protected: NotRequired[object]
+    unprotected: NotRequired[object]
+    unguarded_calls: NotRequired[object]
+    events_cut: NotRequired[object]
+    problems: NotRequired[object]
+    targets: NotRequired[object]
+
+
+Record = Union[Header, Event, Summary]
 _FIELDS: dict[str, dict[str, type]] = {  # what each record must hold to be read at all
     "header": {},
     "event": {"path": str, "op": str, "filename": str, "lineno": int},
@@ -42,9 +85,9 @@ class Skipped:
 class Process:
     """The records of one process of a run."""
 
-    header: Optional[Record] = None
-    summary: Optional[Record] = None
-    events: list[Record] = dataclasses.field(default_factory=list)
+    header: Optional[Header] = None
+    summary: Optional[Summary] = None
+    events: list[Event] = dataclasses.field(default_factory=list)
 
     @property
     def rank(self) -> Optional[int]:
@@ -154,11 +197,11 @@ def describe(run: Run, by: str = "site") -> dict[str, Any]:
     }
 
 
-def _listed(value: Any) -> list[Any]:
+def _listed(value: object) -> list[object]:
     return value if isinstance(value, list) else [value] if isinstance(value, str) and value else []
 
 
-def _count(value: Any) -> int:
+def _count(value: object) -> int:
     """A count from a record: a whole number >= 0, else 0 (a field missing, or written by hand)."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
@@ -168,7 +211,7 @@ def _written(process: Process) -> int:
     return _count(process.summary["writes"]) if process.summary is not None else len(process.events)
 
 
-def _site_writes(summary: Record) -> int:
+def _site_writes(summary: Summary) -> int:
     return sum(_count(site.get("writes")) for site in summary["sites"] if isinstance(site, dict))
 
 
@@ -189,24 +232,24 @@ def _disagreements(process: Process) -> list[str]:
     return lines
 
 
-def _protected_nothing(summary: Record) -> bool:
+def _protected_nothing(summary: Summary) -> bool:
     """A summary of guarded calls that protected no tensor (a clean run must have watched something)."""
     return _count(summary["calls"]) > 0 and "protected" in summary and _count(summary.get("protected")) == 0 \
         and not _count(summary["writes"])
 
 
-def _data_stats(summary: Record) -> dict[str, Any]:
+def _data_stats(summary: Summary) -> dict[str, object]:
     targets = summary.get("targets")
     stats = targets.get(DATA.word) if isinstance(targets, dict) else None
     return stats if isinstance(stats, dict) else {}
 
 
-def _data_protected(summaries: list[Record]) -> bool:
+def _data_protected(summaries: list[Summary]) -> bool:
     """Whether some process of the run protected what datasets returned (a DataLoader worker)."""
     return any(_count(_data_stats(s).get("protected")) for s in summaries)
 
 
-def _data_only(summary: Record) -> bool:
+def _data_only(summary: Summary) -> bool:
     """Whether a process's guarded calls were all its `data` guard's: with DataLoader workers,
     the main process's guard sees no dataset return anything (the workers load), and that is
     no gap where its workers protected what they loaded."""
@@ -216,7 +259,7 @@ def _data_only(summary: Record) -> bool:
     return called == [DATA.word]
 
 
-def _target_rows(summaries: list[Record]) -> list[dict[str, Any]]:
+def _target_rows(summaries: list[Summary]) -> list[dict[str, Any]]:
     """Per target (or guard name), across processes: guarded calls and tensors protected."""
     rows: dict[str, dict[str, Any]] = {}
     for summary in summaries:
@@ -238,7 +281,7 @@ def _target_rows(summaries: list[Record]) -> list[dict[str, Any]]:
 
 def _site_rows(processes: list[Process]) -> list[dict[str, Any]]:
     """One row per site across processes: counts summed, ranks listed, the earliest first example."""
-    rows: dict[tuple[Any, ...], dict[str, Any]] = {}
+    rows: dict[tuple[object, ...], dict[str, Any]] = {}
     for process in processes:
         sites = process.summary["sites"] if process.summary is not None else _sites_of(process.events)
         for site in sites:
@@ -268,16 +311,16 @@ def _site_rows(processes: list[Process]) -> list[dict[str, Any]]:
     return sorted(rows.values(), key=lambda r: (-r["writes"], str(r["site"])))
 
 
-def _order(first: dict[str, Any]) -> tuple[int, int]:
+def _order(first: dict[str, object]) -> tuple[int, int]:
     """Lowest rank, then earliest call; unknowns last."""
     rank, call = first.get("rank"), first.get("call")
     return (rank if isinstance(rank, int) else 1 << 30, call if isinstance(call, int) else 1 << 30)
 
 
-def _sites_of(events: list[Record]) -> list[dict[str, Any]]:
+def _sites_of(events: list[Event]) -> list[object]:
     """Site entries, as a summary record holds them, from a process's event records."""
-    sites: dict[tuple[Any, ...], dict[str, Any]] = {}
-    calls: dict[tuple[Any, ...], set[Any]] = {}
+    sites: dict[tuple[str, int, str], dict[str, Any]] = {}
+    calls: dict[tuple[str, int, str], set[object]] = {}
     for ev in events:
         key = (ev["filename"], ev["lineno"], ev["op"])
         site = sites.get(key)
@@ -310,7 +353,8 @@ def _event_rows(processes: list[Process]) -> list[dict[str, Any]]:
 
 
 def _process_name(process: Process) -> str:
-    record = process.summary or process.header or (process.events[0] if process.events else {})
+    record: Union[Record, dict[str, object]] = (process.summary or process.header
+                                                 or (process.events[0] if process.events else {}))
     rank = f"rank {process.rank}" if process.rank is not None else "a process"
     return f"{rank} (pid {record.get('pid')} on {record.get('host')})"
 
@@ -334,7 +378,7 @@ def _parse(line: str) -> tuple[Optional[Record], str]:
     for name, kind_of in {**_COMMON, **_FIELDS[kind]}.items():
         if not isinstance(record.get(name), kind_of):
             return None, f"{kind} record without a valid {name!r}"
-    return record, ""
+    return cast(Record, record), ""  # what it must hold checked above
 
 
 def _files(path: str) -> Iterator[str]:

@@ -11,7 +11,7 @@ import io
 import os
 import sys
 import warnings
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, TextIO
 
 from kvguard._report.events import (  # the plain and rich text of events lives with them
     MutationEvent, _clip_value, format_event, rich_event)
@@ -19,10 +19,13 @@ from kvguard._kinds import kind_of
 from kvguard._report.tally import display_label
 from kvguard._text import plural
 
+if TYPE_CHECKING:
+    from rich.table import Table
+
 MAX_WRITE_BYTES = 4000  # a pipe write up to PIPE_BUF (4 KiB) is atomic on Linux
 
 
-def print_event(ev: MutationEvent, tag: str = "", file: Any = None) -> None:
+def print_event(ev: MutationEvent, tag: str = "", file: Optional[TextIO] = None) -> None:
     """Render one event once and write it to stderr in a single call.
 
     Best effort: the event is already in the report, so a missing (`sys.stderr` is None),
@@ -38,7 +41,7 @@ def print_event(ev: MutationEvent, tag: str = "", file: Any = None) -> None:
         pass
 
 
-def _panel_text(ev: MutationEvent, tag: str, out: Any) -> str:
+def _panel_text(ev: MutationEvent, tag: str, out: TextIO) -> str:
     """The rich panel, or plain text when the panel would not fit one atomic write."""
     from rich.console import Console
 
@@ -55,7 +58,7 @@ def _panel_text(ev: MutationEvent, tag: str, out: Any) -> str:
     return text
 
 
-def _width(out: Any) -> int:
+def _width(out: TextIO) -> int:
     columns = os.environ.get("COLUMNS", "")
     if columns.isdigit():
         return max(60, min(160, int(columns)))
@@ -65,7 +68,7 @@ def _width(out: Any) -> int:
         return 100
 
 
-def run_report(run: dict[str, Any], width: Any = None) -> str:
+def run_report(run: dict[str, Any], width: Optional[int] = None) -> str:
     """One run of `kvguard report` (`_reportread.describe`): a headline, a table, notes."""
     ranks = run["ranks"]
     who = plural(len(ranks), "rank") if ranks else plural(run["processes"], "process", "processes")
@@ -107,7 +110,7 @@ def _target_line(row: dict[str, Any]) -> str:
     return line
 
 
-def _site_table(rows: list[dict[str, Any]], width: Any) -> str:
+def _site_table(rows: list[dict[str, Any]], width: Optional[int]) -> str:
     from rich.table import Table
     from rich.text import Text
 
@@ -137,7 +140,7 @@ def _site_table(rows: list[dict[str, Any]], width: Any) -> str:
     return _table_text(table, width)
 
 
-def _event_table(rows: list[dict[str, Any]], width: Any) -> str:
+def _event_table(rows: list[dict[str, Any]], width: Optional[int]) -> str:
     from rich.table import Table
     from rich.text import Text
 
@@ -154,7 +157,7 @@ def _event_table(rows: list[dict[str, Any]], width: Any) -> str:
     return _table_text(table, width)
 
 
-def _table_text(table: Any, width: Any) -> str:
+def _table_text(table: Table, width: Optional[int]) -> str:
     """The table as plain text, `width` wide; else as wide as the terminal, or (in a pipe, a CI
     log) as its contents: cropped at a guessed width, a path or a diff would be cut mid-word."""
     from rich.console import Console
@@ -171,7 +174,7 @@ def _table_text(table: Any, width: Any) -> str:
 _UNBOUNDED = 10_000  # a table's width when nothing bounds it: as wide as its contents
 
 
-def _report_width(out: Any) -> Optional[int]:
+def _report_width(out: TextIO) -> Optional[int]:
     """`kvguard report`'s width: `COLUMNS`, else the terminal's; None when `out` is no terminal."""
     columns = os.environ.get("COLUMNS", "")
     if columns.isdigit():
@@ -209,7 +212,7 @@ def panel_replaces_display(message: str, category: type[Warning]) -> Iterator[No
         return
     assert shown is not None
 
-    def display(msg: Any) -> None:
+    def display(msg: warnings.WarningMessage) -> None:
         if not (isinstance(msg.message, category) and str(msg.message) == message):
             shown(msg)
 
@@ -221,7 +224,7 @@ def panel_replaces_display(message: str, category: type[Warning]) -> Iterator[No
             setattr(warnings, "_showwarnmsg_impl", shown)
 
 
-def _is_default_display(shown: Any) -> bool:
+def _is_default_display(shown: object) -> bool:
     """Whether warnings go to Python's own stderr display (no capture, no custom showwarning)."""
     original = getattr(warnings, "_showwarning_orig", None)
     return (original is not None and warnings.showwarning is original and callable(shown)
