@@ -11,10 +11,11 @@ from __future__ import annotations
 import bisect
 import threading
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 import torch
 
+from kvguard._engine.backend import Callback
 from kvguard._engine.hooks import overload_of
 from kvguard._engine.judge import is_self_copy
 from kvguard._protect import geometry as _geometry
@@ -30,18 +31,18 @@ class _State:
     send_all = False
     intervals: tuple[list[int], list[int]] = ([], [])  # starts, stops: replaced whole, never changed
     identities: frozenset[int] = frozenset()  # TensorImpl addresses of protected tensors
-    callback: Optional[Callable[..., Any]] = None
+    callback: Optional[Callback] = None
     watch: Optional[Callable[[], None]] = None
     writes = 0
 
 
 _state = _State()
 _local = threading.local()
-_library: Optional[dict[str, Any]] = None  # namespace -> its torch.library.Library
+_library: Optional[dict[str, torch.library.Library]] = None  # namespace -> its library
 _hooked: list[str] = []
 # The inference-mode kernels, registered at the first guard of an inference tensor:
 # None (not yet), False (the key is someone else's), or the libraries holding them.
-_inference: Any = None
+_inference: Union[None, Literal[False], dict[str, torch.library.Library]] = None
 
 
 def install() -> int:
@@ -49,7 +50,7 @@ def install() -> int:
     global _library
     if _library is not None:
         return len(_hooked)
-    libraries: dict[str, Any] = {}  # one per namespace: a library registers only its own ops
+    libraries: dict[str, torch.library.Library] = {}  # one per namespace: each registers only its own ops
     names = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Overriding a previously registered kernel", once per op
@@ -116,8 +117,10 @@ def _install_inference() -> bool:
         if _library is None or _dispatch.has_fallback(INFERENCE_KEY):
             _inference = False
             return False
-        libraries: dict[str, Any] = {"_": torch.library.Library("_", "IMPL")}  # type: ignore[no-untyped-call]
-        libraries["_"].fallback(torch.library.fallthrough_kernel, dispatch_key=INFERENCE_KEY_NAME)
+        libraries: dict[str, torch.library.Library] = {
+            "_": torch.library.Library("_", "IMPL")}  # type: ignore[no-untyped-call]
+        libraries["_"].fallback(  # type: ignore[no-untyped-call]
+            torch.library.fallthrough_kernel, dispatch_key=INFERENCE_KEY_NAME)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for name in _hooked:
@@ -182,11 +185,11 @@ def set_identities(identities: Sequence[int]) -> None:
     _state.identities = frozenset(int(i) for i in identities)
 
 
-def set_callback(callback: Optional[Callable[..., Any]]) -> None:
+def set_callback(callback: Optional[Callback]) -> None:
     _state.callback = callback
 
 
-def set_watch(watch: Optional[Callable[[], None]], snapshots: Any = None) -> None:
+def set_watch(watch: Optional[Callable[[], None]], snapshots: object = None) -> None:
     """`watch` runs before every judged write (here `snapshots`, which lets the compiled hook
     skip it while nothing changed, is not compared: the watch compares them itself)."""
     _state.watch = watch
@@ -196,7 +199,7 @@ def writes() -> int:
     return _state.writes
 
 
-def candidates(tensors: Sequence[Any]) -> list[int]:
+def candidates(tensors: Sequence[object]) -> list[int]:
     """The positions of the tensors a write into which would reach the callback now."""
     if not _state.enabled or _state.callback is None:
         return []
@@ -219,7 +222,9 @@ def _python_original(name: str) -> bool:
     return _dispatch.python_hook_kernel(name)
 
 
-def _register(library: Any, name: str, func: Any) -> None:
+# An op overload (`torch._ops.OpOverload`) and the dispatcher's key set a kernel is called with
+# (`torch._C.DispatchKeySet`) are typed Any: their classes are private, named only in the fence.
+def _register(library: torch.library.Library, name: str, func: Any) -> None:
     facts = _ops.op_facts(func)
     # Python kernels get wrapped numbers (`x.add_(2)`) as Python scalars, which the
     # original kernel's boxed call refuses for a Tensor parameter: pass them as 0-d
@@ -228,41 +233,43 @@ def _register(library: Any, name: str, func: Any) -> None:
     original = _dispatch.hook_kernel(func, name)
     is_copy = name == "aten::copy_"
 
-    def call_original(keyset: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def call_original(keyset: Any, args: tuple[object, ...], kwargs: dict[str, object]) -> object:
         if original is None:
             return func.redispatch(keyset & BELOW_HOOK, *args, **kwargs)
         return original.call_boxed(keyset, *_as_tensors(args, kwargs, tensor_params), **kwargs)
 
-    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+    def kernel(keyset: Any, *args: object, **kwargs: object) -> object:
         if not _state.enabled or getattr(_local, "depth", False):
             return call_original(keyset, args, kwargs)
         return _judged(name, facts, is_copy, keyset, args, kwargs, call_original)
 
     # Runs inside ops, also while Dynamo traces a compiled function: never traced itself.
-    library.impl(name.partition("::")[2], outside_dynamo(kernel), HOOK_KEY, with_keyset=True)
+    library.impl(name.partition("::")[2], outside_dynamo(kernel), HOOK_KEY,  # type: ignore[no-untyped-call]
+                 with_keyset=True)
 
 
-def _register_inference(library: Any, name: str, func: Any) -> None:
+def _register_inference(library: torch.library.Library, name: str, func: Any) -> None:
     """The kernel on the inference key: judges inference-mode writes to inference tensors
     (every other write reaches ADInplaceOrView), then runs what is below the key."""
     facts = _ops.op_facts(func)
     is_copy = name == "aten::copy_"
     tensor_params = _ops.tensor_params(func)
 
-    def call_below(keyset: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def call_below(keyset: Any, args: tuple[object, ...], kwargs: dict[str, object]) -> object:
         return func.redispatch(keyset & BELOW_INFERENCE, *_as_tensors(args, kwargs, tensor_params), **kwargs)
 
-    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+    def kernel(keyset: Any, *args: object, **kwargs: object) -> object:
         if (not _state.enabled or getattr(_local, "depth", False) or not torch.is_inference_mode_enabled()
                 or not any(t.is_inference() for t in _ops.written_tensors(facts, args, kwargs))):
             return call_below(keyset, args, kwargs)
         return _judged(name, facts, is_copy, keyset, args, kwargs, call_below)
 
-    library.impl(name.partition("::")[2], outside_dynamo(kernel), INFERENCE_KEY_NAME, with_keyset=True)
+    library.impl(name.partition("::")[2], outside_dynamo(kernel), INFERENCE_KEY_NAME,  # type: ignore[no-untyped-call]
+                 with_keyset=True)
 
 
-def _judged(name: str, facts: Any, is_copy: bool, keyset: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-            call: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]) -> Any:
+def _judged(name: str, facts: _ops.OpFacts, is_copy: bool, keyset: Any, args: tuple[object, ...],
+            kwargs: dict[str, object], call: Callable[[Any, tuple[object, ...], dict[str, object]], object]) -> object:
     """Run an outermost writing op, judged: the callback on a possible hit, before and after `call`."""
     state = _state
     _local.depth = True
@@ -294,7 +301,8 @@ def _judged(name: str, facts: Any, is_copy: bool, keyset: Any, args: tuple[Any, 
 _judged = outside_dynamo(_judged)
 
 
-def _as_tensors(args: tuple[Any, ...], kwargs: dict[str, Any], params: list[tuple[int, str, bool]]) -> tuple[Any, ...]:
+def _as_tensors(args: tuple[object, ...], kwargs: dict[str, Any],
+                params: list[tuple[int, str, bool]]) -> tuple[object, ...]:
     """`args` with Python numbers in Tensor parameters turned into 0-d tensors (kwargs changed in place)."""
     converted = None
     for position, name, kwarg_only in params:
@@ -308,7 +316,7 @@ def _as_tensors(args: tuple[Any, ...], kwargs: dict[str, Any], params: list[tupl
     return tuple(converted) if converted is not None else args
 
 
-def _number_tensor(value: Any, args: tuple[Any, ...]) -> torch.Tensor:
+def _number_tensor(value: complex, args: tuple[object, ...]) -> torch.Tensor:  # complex: or bool, int, float
     """`value` as a 0-d tensor of the dtype `torch.result_type(first tensor, value)` gives.
 
     Read from the dtype alone: no op may run on the user's tensor here (a subclass may refuse it).
