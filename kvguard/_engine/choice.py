@@ -14,14 +14,14 @@ An engine that cannot be had is one line on stderr, then the next one: never a c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union, cast
+from typing import TYPE_CHECKING, Optional, Sequence, Union, cast
 
 import torch
 
 from kvguard import _config
 from kvguard._engine import graphs, kernels
 from kvguard._engine.backend import Backend
-from kvguard._engine.hooks import HookEngine
+from kvguard._engine.hooks import HookAttachment, HookEngine
 from kvguard._engine.judge import WriteJudge
 from kvguard._engine.mode import ModeAttachment, thread_judges
 from kvguard._native import build as _build
@@ -129,7 +129,7 @@ def _backend(name: str) -> Union[Backend, str]:
     return cast(Backend, module) if module is not None else _build.reason()
 
 
-def attach(judge: WriteJudge) -> Any:
+def attach(judge: WriteJudge) -> Union[HookAttachment, ModeAttachment]:
     """Start reporting writes to `judge`; returns the attachment (`.engine`, `.ops`, `.detach(exc_info)`)."""
     graphs.listen(judges_of)  # every engine: compiled graphs write where none of them looks
     name = choose()

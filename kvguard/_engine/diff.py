@@ -323,7 +323,7 @@ class _Changes:
 
     def __init__(self) -> None:
         self.count = 0  # values whose bits changed
-        self.samples: list[tuple[int, Any, Any]] = []  # (view index, before, after), the first few
+        self.samples: list[tuple[int, object, object]] = []  # (view index, before, after), the first few
         self.max_delta: Optional[float] = None  # from chunks compared in float64
         self.screened: Optional[float] = None  # largest exact |Δ| among the screened maxima
         self.flips = 0

@@ -23,7 +23,7 @@ import re
 import sys
 import tokenize
 import types
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -49,7 +49,8 @@ def listen(judges_of: JudgesOf) -> None:
     _listening.append(_patches.on_compiled_graph_call(functools.partial(judge_graph, judges_of)))
 
 
-def judge_graph(judges_of: JudgesOf, graph: Any, inputs: Sequence[Any]) -> Optional[Callable[[bool], None]]:
+def judge_graph(judges_of: JudgesOf, graph: _compiled.CompiledGraph,
+                inputs: Sequence[object]) -> Optional[Callable[[bool], None]]:
     """Judge the writes `graph` will make to `inputs`, one input at a time (each at its own line);
     returns what reports them once the graph has run. Raises, before the graph runs, to stop it.
 
@@ -81,7 +82,7 @@ def judge_graph(judges_of: JudgesOf, graph: Any, inputs: Sequence[Any]) -> Optio
     return after
 
 
-def write_sites(graph: Any) -> dict[int, _frames.Site]:
+def write_sites(graph: _compiled.CompiledGraph) -> dict[int, _frames.Site]:
     """Input position -> the site the graph's text names for its first write to it, as the text
     says it (cached on the artifact; `_site` confirms it when a report needs it)."""
     sites = getattr(graph, _SITES, None)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
@@ -27,8 +27,12 @@ from kvguard._protect.collector import collector_paused
 from kvguard._torch import ops as _ops
 from kvguard._torch.compiled import outside_dynamo
 
+if TYPE_CHECKING:
+    from kvguard._protect.contract import Added
+    from kvguard._torch.dispatch import ExcInfo
 
-# op name as the backend spells it ("aten::mul_.Tensor") -> its OpOverload
+
+# op name as the backend spells it ("aten::mul_.Tensor") -> its OpOverload (a private class: Any here)
 _overloads: dict[str, Any] = {}
 
 
@@ -73,7 +77,7 @@ class HookEngine:
             self.judges.append(judge)
             self._threads[id(judge)] = threading.get_ident()
 
-            def on_index(added: Optional[list[Any]]) -> None:
+            def on_index(added: Added) -> None:
                 self._push(added, judge)
             judge.protected.on_index = on_index
             # A set that publishes what it protects itself, as it arrives (autograd's packs).
@@ -114,7 +118,7 @@ class HookEngine:
                 self.backend.set_watch(None)
             self._push()
 
-    def _watch_inference(self, judge: WriteJudge, added: Optional[list[Any]]) -> None:
+    def _watch_inference(self, judge: WriteJudge, added: Added) -> None:
         """Inference tensors are written inside `torch.inference_mode()` past ADInplaceOrView:
         while `judge` protects one, its guard's thread has the backend judge those writes too.
 
@@ -133,7 +137,7 @@ class HookEngine:
         if thread is not None and thread == threading.get_ident():  # a guard left from another
             self.backend.watch_inference(False)  # thread leaves its own watching on (costs a call per write)
 
-    def _push(self, added: Optional[list[Any]] = None, judge: Optional[WriteJudge] = None) -> None:
+    def _push(self, added: Added = None, judge: Optional[WriteJudge] = None) -> None:
         """Tell the backend what the guards protect: all of it, or only the entries `added`
         (by `judge`'s set).
 
@@ -224,6 +228,6 @@ class HookAttachment:
         """Writing ops seen in the process since the guard was entered (reads are not seen)."""
         return self.hook.writes() - self._writes_at_entry
 
-    def detach(self, exc_info: tuple[Any, Any, Any]) -> None:
+    def detach(self, exc_info: ExcInfo) -> None:
         self.hook.detach(self.judge)
 

@@ -9,7 +9,7 @@ installed (torch < 2.9) or when `KVGUARD_ENGINE=mode` asks for it.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
@@ -17,6 +17,9 @@ from kvguard._engine.judge import WriteJudge, judge_all
 from kvguard._torch import dispatch as _dispatch
 from kvguard._torch import ops as _ops
 from kvguard._torch.dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from kvguard._torch.dispatch import ExcInfo
 
 _facts_cache = _ops._facts_cache
 _op_facts = _ops.op_facts
@@ -33,7 +36,9 @@ class MutationGuardMode(TorchDispatchMode):
         self.judge = judge
         self.ops = 0  # ops dispatched under the mode: none means the guarded code did no tensor work
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    # func: an op overload (a private class, Any outside the fence); args and kwargs as torch passes them.
+    def __torch_dispatch__(self, func: Any, types: Sequence[type], args: Sequence[Any] = (),
+                           kwargs: Optional[dict[str, Any]] = None) -> object:
         self.ops += 1
         cached = _facts_cache.get(id(func))
         facts = cached[1] if cached is not None else _op_facts(func)
@@ -79,6 +84,6 @@ class ModeAttachment:
     def ops(self) -> int:
         return self.mode.ops
 
-    def detach(self, exc_info: tuple[Any, Any, Any]) -> None:
+    def detach(self, exc_info: ExcInfo) -> None:
         """Leave the mode stack, also out of order (see `_dispatch.exit_dispatch_mode`)."""
         _dispatch.exit_dispatch_mode(self.mode, exc_info)
