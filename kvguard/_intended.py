@@ -31,7 +31,10 @@ import fnmatch
 import functools
 import re
 import types
-from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple, Optional, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 WEIGHTS = "weights"
 AUTOGRAD = "autograd"
@@ -203,10 +206,10 @@ class Found(NamedTuple):
 
 # What a write reaches, asked only when a writer's function is found on the stack: the
 # protected tensors at the written path (one for a model's weights).
-Reached = Callable[[], Sequence[Any]]
+Reached = Callable[[], Sequence["torch.Tensor"]]
 # Whether two tensors share an element's memory: the protected set's exact test
 # (`kvguard._protect.geometry.elements_overlap`), passed in, as a leaf imports no room.
-Overlap = Callable[[Any, Any], bool]
+Overlap = Callable[["torch.Tensor", "torch.Tensor"], bool]
 
 
 def writing(writers: Iterable[Writer], frame: Optional[types.FrameType], reached: Reached,
@@ -222,7 +225,7 @@ def writing(writers: Iterable[Writer], frame: Optional[types.FrameType], reached
     compiled = [(w, _compiled(w.functions)) for w in writers]
     if not compiled:
         return None
-    tensors: Optional[Sequence[Any]] = None
+    tensors: Optional[Sequence[torch.Tensor]] = None
     while frame is not None:
         module = frame.f_globals.get("__name__")
         if isinstance(module, str):
@@ -257,7 +260,7 @@ def hint(found: Found) -> str:
             f"allow=['{found.function}'] or KVGUARD_ALLOW={found.function}")
 
 
-def _argument(frame: types.FrameType, names: tuple[str, ...]) -> Any:
+def _argument(frame: types.FrameType, names: tuple[str, ...]) -> object:
     """The value of the first of `names` bound in `frame` (None if none is)."""
     values = frame.f_locals
     for name in names:
@@ -266,14 +269,14 @@ def _argument(frame: types.FrameType, names: tuple[str, ...]) -> Any:
     return None
 
 
-def _tensors(reached: Reached) -> Sequence[Any]:
+def _tensors(reached: Reached) -> Sequence[torch.Tensor]:
     try:
         return tuple(reached())
     except Exception:  # noqa: BLE001 - not known: no scoped writer owns the write, which is reported
         return ()
 
 
-def _holds(value: Any, tensors: Sequence[Any], overlap: Overlap) -> bool:
+def _holds(value: Any, tensors: Sequence[torch.Tensor], overlap: Overlap) -> bool:  # value: whatever the frame held
     """Whether `value` (a tensor, or a module's parameters and buffers) holds one of `tensors`: the
     same tensor object, or one sharing an element's memory with it (`w.data`, a view)."""
     if not tensors or value is None:
@@ -406,7 +409,7 @@ def code_qualname(frame: types.FrameType) -> str:
     return str(found.__qualname__) if _runs(found, code) else name
 
 
-def _runs(value: Any, code: types.CodeType) -> bool:
+def _runs(value: object, code: types.CodeType) -> bool:
     value = getattr(value, "__func__", value)  # a staticmethod or classmethod
     for _ in range(8):  # a decorated function: the function it wraps runs
         if value is None:

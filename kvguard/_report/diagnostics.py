@@ -11,7 +11,7 @@ import importlib.util
 import os
 import sys
 from importlib import metadata
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
 from kvguard._presets import PRESETS, Preset, PresetTarget, is_preset, missing_reason
 from kvguard._report.process import ProcessReport
@@ -202,7 +202,7 @@ def _version(preset: Preset) -> str:
     return f"{preset.framework} {version}"
 
 
-def _was_called(stats: Any) -> bool:
+def _was_called(stats: Optional[TargetStats]) -> bool:
     if stats is None:
         return False
     return bool(stats.calls or stats.unguarded_calls or sum(stats.unguardable.values())
