@@ -22,6 +22,9 @@ environment as a user would (`KVGUARD=raise KVGUARD_TARGETS=autograd,weights pyt
     warn            KVGUARD=warn  KVGUARD_TARGETS=autograd,weights
     autograd        KVGUARD=raise KVGUARD_TARGETS=autograd
     weights         KVGUARD=raise KVGUARD_TARGETS=weights
+    all             KVGUARD=raise KVGUARD_TARGETS=all (every kind and preset: autograd, weights, data)
+    sampled         the same with KVGUARD_SAMPLE=1/100 (the first 3 step intervals are always checked:
+                    after the warm-up steps a timed step is checked 1 time in 100)
 
 Inside each process the step's CPU time (`time.process_time`) is taken per step after
 warm-up steps, and the process reports the median. A round runs every configuration's
@@ -55,15 +58,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvguard import _config
+
 CONFIGS = ["gpt2", "llama", "llama-foreach", "gpt2-sgd-loop", "bert", "t5", "mixtral", "efficientnet", "convnext",
            "trl-grpo"]
 QUICK = ["gpt2", "llama"]
-CONTENDERS = {
+CONTENDERS: dict[str, tuple[str, str, dict[str, str]] | None] = {
     "plain": None,
-    "raise": ("raise", "autograd,weights"),
-    "warn": ("warn", "autograd,weights"),
-    "autograd": ("raise", "autograd"),
-    "weights": ("raise", "weights"),
+    "raise": ("raise", "autograd,weights", {}),
+    "warn": ("warn", "autograd,weights", {}),
+    "autograd": ("raise", "autograd", {}),
+    "weights": ("raise", "weights", {}),
+    "all": ("raise", "all", {}),
+    "sampled": ("raise", "all", {"KVGUARD_SAMPLE": "1/100"}),
 }
 DESCRIPTIONS = {
     "gpt2": "transformers GPT-2, AdamW",
@@ -296,7 +303,7 @@ def child(config: str, steps: int, count_saved: bool, profile_out: str | None) -
         raise SystemExit(MISSING)
     from kvguard._state import STATE
 
-    out["active"] = [name for name in ("autograd", "weights") if getattr(STATE, name, None) is not None]
+    out["active"] = sorted(STATE.kinds)  # the process-wide kinds env activation entered
     if profile is not None:
         profile.dump_stats(profile_out)
     print("RESULT " + json.dumps(out))
@@ -316,7 +323,7 @@ def _env(contender: str, config: str = "") -> dict[str, str]:
                PYTHONWARNINGS="ignore")
     setting = CONTENDERS[contender]
     if setting is not None:
-        env.update(KVGUARD=setting[0], KVGUARD_TARGETS=setting[1])
+        env.update(KVGUARD=setting[0], KVGUARD_TARGETS=setting[1], **setting[2])
     return env
 
 
@@ -328,13 +335,15 @@ def _result(config: str, contender: str, rc: int, stdout: str, stderr: str) -> d
         raise RuntimeError(f"{config} / {contender} failed (exit {rc}):\n{stderr[-4000:]}")
     out = json.loads(lines[-1][len("RESULT "):])
     setting = CONTENDERS[contender]
-    wanted = sorted(setting[1].split(",")) if setting else []
+    wanted = sorted(_config.named_kinds(setting[1])) if setting else []
     if sorted(out["active"]) != wanted:
         raise RuntimeError(f"{config} / {contender}: env activation entered {out['active']}, not {wanted}: "
                            "is kvguard installed (its kvguard.pth)? `python -m kvguard install-pth`\n" + stderr[-2000:])
     # what the guard reported: its exit lines say "no in-place writes" when it found none
-    exits = [line for line in stderr.splitlines() if line.startswith(("kvguard: autograd:", "kvguard: weights:"))]
-    out["reports"] = sum(1 for line in exits if "no in-place writes" not in line) + stderr.count("╭─ kvguard")
+    exits = [line for line in stderr.splitlines() if line.startswith(("kvguard: autograd:", "kvguard: weights:",
+                                                                        "kvguard: data:"))]
+    out["reports"] = sum(1 for line in exits if "no in-place writes" not in line and "no write was checked" not in line
+                         ) + stderr.count("╭─ kvguard")
     out["stderr"] = stderr
     return out
 
@@ -541,7 +550,7 @@ def profile(config: str, targets: str, steps: int, top: int) -> None:
     import pstats
     import tempfile
 
-    CONTENDERS["profiled"] = ("raise", targets)
+    CONTENDERS["profiled"] = ("raise", targets, {})
     path = os.path.join(tempfile.mkdtemp(), "profile.out")
     out = spawn(config, "profiled", steps, profile_out=path)
     if out is None:

@@ -57,9 +57,45 @@ class Calls:
                 "range": f"{self.low}-{self.high}"}[self.kind]
 
 
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """The sampled tier (`KVGUARD_SAMPLE=1/100`): one unit in each block of `every` is checked
+    fully (a guarded call of each target, an optimizer step's interval), and the first `first`
+    of each always; `seed` None: the run id's, which every rank of one launch shares."""
+
+    every: int = 1  # 1: every unit, the full tier
+    seed: Optional[int] = None
+    first: int = 3
+
+    @property
+    def on(self) -> bool:
+        return self.every > 1
+
+    def __str__(self) -> str:
+        return f"1/{self.every}" + (f",seed={self.seed}" if self.seed is not None else "") + (
+            f",first={self.first}" if self.first != 3 else "")
+
+
+_SAMPLE = re.compile(r"^(?:1/(\d+)|(\d*\.?\d+(?:e-?\d+)?))((?:,\s*(?:seed|first)\s*=\s*\d+)*)$")
+
+
+def parse_sample(value: str, source: str = "the KVGUARD_SAMPLE environment variable") -> Sample:
+    """`1/100`, `0.01`, with `,seed=N` and `,first=N` (default 3) after it; `1`: every unit."""
+    spelled = value.strip().lower()
+    match = _SAMPLE.match(spelled)
+    fraction = (1 / int(match.group(1)) if match.group(1) and int(match.group(1)) else
+                float(match.group(2)) if match.group(2) else 0.0) if match else 0.0
+    if match is None or not 0 < fraction <= 1:
+        raise ConfigError(f"invalid sample {value.strip()!r} in {source}; expected a fraction of units to check "
+                          "fully, 1/N or a number in (0, 1] (1/100, 0.01), optionally with ,seed=N and ,first=N")
+    options = dict(re.findall(r"(seed|first)\s*=\s*(\d+)", match.group(3)))
+    return Sample(max(1, round(1 / fraction)), int(options["seed"]) if "seed" in options else None,
+                  int(options.get("first", 3)))
+
+
 # The variables every guard takes its defaults from (set or not, an argument wins).
 GUARD_VARIABLES = ("KVGUARD_KEYS", "KVGUARD_IGNORE", "KVGUARD_ALLOW", "KVGUARD_LEVEL", "KVGUARD_FINGERPRINT",
-                   "KVGUARD_ENGINE", "KVGUARD_MAX_EVENTS", "KVGUARD_REPORT_DIR", "KVGUARD_CALLS")
+                   "KVGUARD_ENGINE", "KVGUARD_MAX_EVENTS", "KVGUARD_REPORT_DIR", "KVGUARD_CALLS", "KVGUARD_SAMPLE")
 ENGINES = ("compiled", "kernels", "mode")
 _SWITCHES = {"1": True, "on": True, "true": True, "yes": True, "0": False, "off": False, "false": False, "no": False}
 
@@ -81,6 +117,7 @@ class GuardDefaults:
     max_events: Optional[int] = None
     report_dir: Optional[str] = None
     calls: Optional["Calls"] = None
+    sample: Sample = Sample()  # KVGUARD_SAMPLE; unset: every unit
 
 
 def read(name: str, environ: Optional[Mapping[str, str]] = None) -> str:
@@ -120,7 +157,8 @@ def _parse_guard_defaults(values: dict[str, str]) -> GuardDefaults:
         level=parse_level(level, env_source("KVGUARD_LEVEL")) if level is not None else None,
         fingerprint=parse_switch(values["KVGUARD_FINGERPRINT"], "KVGUARD_FINGERPRINT"),
         engine=parse_engine(values["KVGUARD_ENGINE"]), max_events=parse_max_events(given("KVGUARD_MAX_EVENTS")),
-        report_dir=given("KVGUARD_REPORT_DIR"), calls=parse_calls(calls) if calls is not None else None)
+        report_dir=given("KVGUARD_REPORT_DIR"), calls=parse_calls(calls) if calls is not None else None,
+        sample=parse_sample(values["KVGUARD_SAMPLE"]) if values["KVGUARD_SAMPLE"] else Sample())
     if defaults.level == "light" and defaults.fingerprint is False:
         raise ConfigError("KVGUARD_LEVEL=light finds changes by value fingerprints only; it cannot run with "
                           "KVGUARD_FINGERPRINT=0")

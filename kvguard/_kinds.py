@@ -101,4 +101,8 @@ def register(kind: Kind) -> Callable[[], None]:
     if kind.word in KINDS or kind.word in ("all",):
         raise ValueError(f"a guard kind named {kind.word!r} exists already")
     KINDS[kind.word] = kind
-    return lambda: KINDS.pop(kind.word, None) and None
+
+    def remove() -> None:
+        if KINDS.get(kind.word) is kind:
+            del KINDS[kind.word]
+    return remove

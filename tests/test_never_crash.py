@@ -24,7 +24,7 @@ import torch
 
 import kvguard
 from kvguard._activate import importhook as _importhook
-from kvguard._targets import Target
+from kvguard._presets import Target
 
 
 # -- a swallowed MutationError -------------------------------------------------------------

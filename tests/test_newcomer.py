@@ -84,7 +84,7 @@ def test_a_near_miss_word_suggests_the_closest_preset_or_special_target(typed: s
         _config.from_env({"KVGUARD": "raise", "KVGUARD_TARGETS": f"myrl.loss:f(rd),{typed}"})
     assert str(caught.value) == (
         f"invalid target {typed!r} in the KVGUARD_TARGETS environment variable; without a colon it names a preset "
-        f"or one of autograd, weights, data, and none is called that; did you mean {meant}? (known presets: "
+        f"or one of autograd, weights, data, all, and none is called that; did you mean {meant}? (known presets: "
         f"{PRESET_NAMES}); a function is module:qualname(argname), "
         "e.g. myrl.loss:compute_advantages_and_returns(rollout_data)")
 

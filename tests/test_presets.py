@@ -33,7 +33,7 @@ from kvguard._errors import ConfigError
 from kvguard._presets import PRESETS, PresetTarget
 from kvguard._report.process import ProcessReport
 from kvguard._state import State
-from kvguard._targets import Target
+from kvguard._presets import Target
 from setitem_ops import SLICE_FILL
 
 FAKE = Path(__file__).resolve().parent / "fake_frameworks"

@@ -112,6 +112,8 @@ def patch(module: types.ModuleType, target: Target, action: str, keys: Optional[
             for stats in target_tallies(label):
                 stats.unguarded_calls += 1
             return None
+        if not _calls.sampled(number, label):  # KVGUARD_SAMPLE: counted in the summary too
+            return None
         return Guard(value, name=target.argname, action=action, keys=keys, ignore=ignore,
                      allow=allow + getattr(target, "intended", ()), target=label, level=level)
 

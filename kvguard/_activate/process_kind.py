@@ -20,6 +20,7 @@ from kvguard._text import say
 
 if TYPE_CHECKING:
     from kvguard._config import Settings
+    from kvguard._guard.guard import Guard
 
 
 def activation_of(kind: Kind) -> ModuleType:
@@ -37,12 +38,22 @@ def install(kind: Kind, settings: Settings) -> None:
         try:
             guard = kind.guard_class()(action=settings.action, target=kind.word, allow=settings.allow or None)
             STATE.kinds[kind.word] = guard.__enter__()
+            follow_sample(guard)
         except Exception as exc:  # noqa: BLE001 - a debug switch must not kill the job
             say(f"kvguard: KVGUARD_TARGETS={kind.word} not activated: {exc}")
     wrapt.register_post_import_hook(start, "torch")
     from kvguard._activate.process_guards import end_at_the_users_line
 
     end_at_the_users_line()
+
+
+def follow_sample(guard: Guard) -> None:
+    """Under `KVGUARD_SAMPLE`, a kind's guard checks only the sampled optimizer-step intervals."""
+    from kvguard._guard.sampling import step_clock
+
+    clock = step_clock()
+    if clock is not None:
+        guard.follow_sample(clock)
 
 
 def stop(kind: Kind) -> None:

@@ -106,6 +106,7 @@ def _guard(settings: Any) -> Any:
         guard = ModuleGuard([], (), name=WEIGHTS.word, action=settings.action, allow=settings.allow or None,
                             target=WEIGHTS.word)
         STATE.kinds[WEIGHTS.word] = guard.__enter__()
+        process_kind.follow_sample(guard)
     return guard
 
 

@@ -21,7 +21,7 @@ from kvguard._protect import frames as _frames
 from kvguard._protect import geometry as _geometry
 from kvguard._protect.entries import Change, Entry
 from kvguard._protect.protected import ProtectedSet
-from kvguard._report.events import MutationEvent
+from kvguard._report.events import EventKind, MutationEvent
 from kvguard._torch import autograd as _autograd
 from kvguard._torch import ops as _ops
 from kvguard._torch import patches as _patches
@@ -43,8 +43,8 @@ CAPTURE_DIFF = ("values not compared: the write was recorded into a CUDA graph b
                 "the graph replays (a replay's change is found at the next boundary check)")
 META_DIFF = "values not compared: a meta tensor holds no data (the write covers some of its elements)"
 # The event kinds of this module's own findings (the others are the op's: `_ops.OpFacts.kind`).
-REDUCED_TWICE = "reduced_twice"
-SELF_OVERLAP = "self_overlap"
+REDUCED_TWICE: EventKind = "reduced_twice"
+SELF_OVERLAP: EventKind = "self_overlap"
 TWICE_DIFF = ("{op} reached this memory a second time at this line in this guarded call, and it is held under "
               "{n} paths ({paths}): a loop over them applies the op to it twice (an all_reduce sums it twice)")
 OVERLAP_DIFF = ("the op reads {read} while writing {written} in the same memory, shifted: it reads elements it "
@@ -185,7 +185,7 @@ class WriteJudge:
         # Other paths to this memory: the entry's own (the same tensor), and the other entries this write
         # reaches in the same memory (not those it writes beside it: batch norm's mean and variance).
         shared = _sharing(hit, protected)
-        notes: dict[int, tuple[str, str]] = {}  # by entry: its kind, when the write's own, and why
+        notes: dict[int, tuple[EventKind, str]] = {}  # by entry: its kind, when the write's own, and why
         if facts.kind == "write":
             read = read() if callable(read) else read
             overlap = _geometry.partial_overlap(written, read) if read else None
@@ -258,7 +258,7 @@ class WriteJudge:
         return PendingWrite(after, stopped)
 
     def _reduced_twice(self, func: Any, site: _frames.Site, hit: list[Entry],
-                       shared: dict[int, tuple[str, ...]]) -> dict[int, tuple[str, str]]:
+                       shared: dict[int, tuple[str, ...]]) -> dict[int, tuple[EventKind, str]]:
         """The entries whose tensor the container holds under several paths that this reducing op (an
         all_reduce, an `add_`) at this line reaches again in this guard, once per further path: a loop
         over the container's values meets that one tensor once per path holding it.
@@ -354,7 +354,7 @@ class WriteJudge:
                                           before_meta=before[id(entry)]))
         return after
 
-    def _event(self, func: Any, kind: str, entry: Entry, site: _frames.Site, blocked: bool,
+    def _event(self, func: Any, kind: EventKind, entry: Entry, site: _frames.Site, blocked: bool,
                before_meta: Optional[str] = None, copy: Optional[_Copy] = None,
                alias: Optional[tuple[int, int]] = None, unversioned: bool = False,
                shared: tuple[str, ...] = (), note: Optional[tuple[str, str]] = None,
@@ -520,7 +520,7 @@ def _unversioned(hit: list[Entry], tensors: dict[int, Optional[torch.Tensor]], w
 
 
 def _kind(facts: _ops.OpFacts, entry: Entry, counter_only: frozenset[int],
-          aliased: dict[int, tuple[int, int]], notes: Optional[dict[int, tuple[str, str]]] = None) -> str:
+          aliased: dict[int, tuple[int, int]], notes: Optional[dict[int, tuple[EventKind, str]]] = None) -> EventKind:
     if id(entry) in counter_only:
         return "version"
     note = (notes or {}).get(id(entry))

@@ -14,6 +14,7 @@ and the stretch is counted as unprotected.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Collection, Literal, Optional
 
 from kvguard._errors import GuardWarning
@@ -85,6 +86,28 @@ class AutogradGuard(Guard):
             self.graphs = self._protected.graphs
             self.unprotected = self._protected.unprotected
         return super().__exit__(exc_type, exc, tb)
+
+    def sample_out(self) -> None:
+        """Unchecked by the sampled tier: no saved-tensor hooks either (what was saved while checked
+        keeps its unpack hook), when ours are the innermost; else they stay, and so does the cost."""
+        super().sample_out()
+        from kvguard._protect import saved as _saved
+        from kvguard._torch import autograd as _autograd
+
+        pack = _autograd.top_saved_tensors_pack()
+        if self._hooks is not None and pack is not None and _saved.set_of(pack) is self._protected \
+                and threading.get_ident() == self._thread:  # saved-tensor hooks are per thread
+            hooks, self._hooks = self._hooks, None
+            hooks.__exit__(None, None, None)
+
+    def sample_in(self) -> None:
+        super().sample_in()
+        if self._hooks is None and not self.delegated and self._outer is None and self._protected is not None \
+                and threading.get_ident() == self._thread:
+            import torch
+
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(*self._protected.hooks())
+            self._hooks.__enter__()
 
     def _warn_if_blind(self) -> None:
         if self.unprotected:

@@ -28,6 +28,7 @@ from typing import (Any, AsyncGenerator, Callable, Collection, Coroutine, Final,
 
 from kvguard._config import check_action, guard_defaults, parse_level
 from kvguard._errors import MutationError
+from kvguard._guard import sampling as _sampling
 from kvguard._guard.guard import Guard
 from kvguard._protect import frames as _frames
 from kvguard._report import files as _reportfile
@@ -132,10 +133,22 @@ def _calls_selected(number: int, label: str) -> bool:
     A call it leaves out runs unguarded and is counted as such in the summaries.
     """
     selection = guard_defaults().calls
-    if selection is None or selection.selects(number):
+    if selection is not None and not selection.selects(number):
+        for stats in _reportfile.target_tallies(label):
+            stats.unguarded_calls += 1
+        return False
+    return sampled(number, label)
+
+
+def sampled(number: int, label: str) -> bool:
+    """Whether the sampled tier (`KVGUARD_SAMPLE`) checks call `number` (from 1) of `label`; a call
+    it leaves out runs unguarded and is counted as such (`unsampled_calls`)."""
+    setting = _sampling.sample()
+    if _sampling.checks(setting, label, number - 1):
         return True
     for stats in _reportfile.target_tallies(label):
-        stats.unguarded_calls += 1
+        stats.unsampled_calls += 1
+        stats.sample_every = setting.every
     return False
 
 

@@ -184,7 +184,11 @@ class Guard:
                 self._unhook_repoints()
         finally:
             self._protected.final = True  # nothing is compared after this check
-            unobserved = self._exit_check()
+            # Sampled out, there is no baseline to compare with: the interval now is not checked.
+            unobserved = self._exit_check() if not self._sampled_out else []
+            if self._clock is not None:
+                self._unfollow()
+                self._account.sampled(self._clock.setting.every, *self._clock.counts())
             self.keys_seen = frozenset(self._protected.keys_seen)
             self.protected_count = self._protected.protected_count
             self.not_run = self._not_run_reason(exc_type, unobserved)
@@ -356,9 +360,14 @@ class Guard:
             self._warn(event.headline(), MutationWarning, event.filename, event.lineno)
 
     def _moments(self) -> int:
-        """The protected set's forward passes or optimizer steps so far (a kind's moments; 0 elsewhere)."""
+        """The protected set's forward passes or optimizer steps so far (a kind's moments; 0 elsewhere);
+        under the sampled tier, optimizer steps as the step clock counts them, checked or not."""
         protected = self._protected
-        return int(protected.graphs or protected.steps) if protected is not None else 0
+        if protected is None:
+            return 0
+        if protected.steps and self._clock is not None:
+            return int(self._clock.index)
+        return int(protected.graphs or protected.steps)
 
     # -- pause and resume: a guarded generator's or coroutine's body between its steps ---------
 
@@ -378,6 +387,16 @@ class Guard:
         """
         if self._protected is None or self._paused:
             raise RuntimeError(f"{self!r}.pause() needs an active guard that is not paused")
+        self._detach()
+        found = self._exit_check(site)
+        for event in found:
+            self._on_event(event, at_exit=True)
+        if found and self.action == "raise":
+            return MutationError(format_event(found[0]), found[0], self.report)
+        return None
+
+    def _detach(self) -> None:
+        """Stop watching ops (paused): the engine's hold and the repoint listeners let go."""
         self._paused = True
         attachment, self._attachment = self._attachment, None
         unhook, self._unhook_repoints = self._unhook_repoints, _nothing_to_undo
@@ -387,12 +406,30 @@ class Guard:
                 attachment.detach((None, None, None))
         finally:
             unhook()
-        found = self._exit_check(site)
-        for event in found:
-            self._on_event(event, at_exit=True)
-        if found and self.action == "raise":
-            return MutationError(format_event(found[0]), found[0], self.report)
-        return None
+
+    _sampled_out = False  # the sampled tier leaves the interval now unchecked
+    _clock: Any = None  # the step clock it follows under KVGUARD_SAMPLE (`follow_sample`)
+
+    def follow_sample(self, clock: Any) -> None:
+        """Check only the intervals the sampled tier's step clock checks (`kvguard._guard.sampling`),
+        from now to exit; the exit line says how many that was."""
+        self._clock = clock
+        self._unfollow = clock.listen(lambda checked: self.sample_in() if checked else self.sample_out())
+        if not clock.checked:
+            self.sample_out()
+
+    def sample_out(self) -> None:
+        """Stop watching as `pause()` does, with no check of the stretch (the interval that just
+        ended was checked by the step that ended it); `sample_in()` starts again from the values then."""
+        if self._protected is not None and not self._paused:
+            self._detach()
+            self._sampled_out = True
+
+    def sample_in(self) -> None:
+        """Watch again, from the values as they are: what changed while unchecked is not looked at."""
+        if self._protected is not None and self._sampled_out:
+            self._sampled_out = False
+            self.resume()
 
     def resume(self) -> None:
         """Watch again as the body resumes, from the values and placements as they are now.

@@ -169,7 +169,7 @@ class ModuleGuard(Guard):
         "raise" the step does not run), then they step aside; returns the token `stepped` takes
         after it (None: the guard is gone)."""
         protected = self._protected
-        if protected is None:
+        if protected is None or self._sampled_out:  # the sampled tier: this interval is not checked
             return None
         step = protected.step_set([p for group in optimizer.param_groups for p in group["params"]])
         self._report_changes(protected.step_changes(step), STEP_DIFF if self.level == "full" else STEP_DIFF_LIGHT,

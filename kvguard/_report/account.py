@@ -43,6 +43,14 @@ class CallAccount:
         for tally in self._tallies:
             tally.add(event, self.call, self.label, moment)
 
+    def sampled(self, every: int, checked: int, seen: int) -> None:
+        """The sampled tier checked `checked` of the `seen` optimizer-step intervals (1 in `every`)."""
+        for tally in self._tallies:
+            stats = tally.target(self.label)
+            stats.sample_every = every
+            stats.intervals_checked += checked
+            stats.intervals_seen += seen
+
     def allowed(self, reason: str) -> None:
         for tally in self._tallies:
             tally.allow(reason, self.label)

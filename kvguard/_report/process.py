@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
+from kvguard._report.events import REDUCED_TWICE, SELF_OVERLAP
 from kvguard._report.tally import SiteKey, Tally, TargetStats
 from kvguard._text import say
 
@@ -32,7 +33,7 @@ class GuardView(Protocol):
 
 
 Listener = Callable[["MutationEvent", GuardView], None]
-_OWN_PANEL = ("reduced_twice", "self_overlap")  # event kinds shown in a panel even after a write at their site
+_OWN_PANEL = (REDUCED_TWICE, SELF_OVERLAP)  # event kinds shown in a panel even after a write at their site
 
 
 class ProcessReport:

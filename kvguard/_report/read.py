@@ -268,8 +268,11 @@ def _target_rows(summaries: list[Summary]) -> list[dict[str, Any]]:
             if not isinstance(stats, dict):
                 continue
             row = rows.setdefault(str(label), {"target": str(label), "calls": 0, "protected": 0, "writes": 0,
-                                               "moments": 0, "unprotected": 0})
-            for name in ("calls", "protected", "writes", "moments", "unprotected"):
+                                               "moments": 0, "unprotected": 0, "unsampled_calls": 0,
+                                               "intervals_checked": 0, "intervals_seen": 0, "sample_every": 0})
+            row["sample_every"] = max(row["sample_every"], _count(stats.get("sample_every")))
+            for name in ("calls", "protected", "writes", "moments", "unprotected", "unsampled_calls",
+                         "intervals_checked", "intervals_seen"):
                 if row[name] is not None:
                     row[name] += _count(stats.get(name))
             # written before 0.3: a kind's moments as `graphs` (autograd) or `steps` (weights)

@@ -96,6 +96,9 @@ def _target_line(row: dict[str, Any]) -> str:
     kind = kind_of(row["target"])
     if kind is not None:  # one guard per process: passes or steps, not calls
         line = f"{row['target']}: " + kind.watched(row["protected"], row.get("moments") or 0)
+        if row.get("sample_every"):  # never read as a full run's
+            line += (f" (sampled 1 in {row['sample_every']:,}: {row['intervals_checked']:,} of "
+                     f"{plural(row['intervals_seen'], 'step interval')} checked)")
         if row["writes"] is not None:
             line += (f", {plural(row['writes'], 'write')}" if row["writes"] else
                      ", no in-place writes to them" if row.get("unprotected") else ", no in-place writes")
@@ -103,6 +106,8 @@ def _target_line(row: dict[str, Any]) -> str:
             line += f"; {row['unprotected']:,} unprotected under other saved-tensor hooks: not looked at"
         return line
     line = f"{display_label(row['target'])}: {plural(row['calls'], 'guarded call')}"
+    if row.get("unsampled_calls"):
+        line += f" ({row['unsampled_calls']:,} more not checked: sampled 1 in {row['sample_every']:,})"
     if row["calls"]:
         line += f", {plural(row['protected'], 'tensor')} protected"
     if row["writes"] is not None:

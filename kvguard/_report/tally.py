@@ -31,6 +31,12 @@ class TargetStats:
     def __init__(self) -> None:
         self.calls = 0  # guarded calls
         self.unguarded_calls = 0  # calls KVGUARD_CALLS left out
+        # The sampled tier (KVGUARD_SAMPLE=1/N; 0: off): calls it left unchecked, and of a kind's
+        # optimizer-step intervals, how many it checked of how many
+        self.sample_every = 0
+        self.unsampled_calls = 0
+        self.intervals_checked = 0
+        self.intervals_seen = 0
         self.unguardable: dict[str, int] = {}  # calls skipped, by the argument's type
         self.protected = 0  # tensors protected over all calls
         self.moments = 0  # a process-wide kind's moments: forward passes, optimizer steps (`Kind.moment`)
@@ -49,13 +55,16 @@ class TargetStats:
     @property
     def active(self) -> bool:
         """Whether the target did anything worth a summary line (else its exit line, if any, says why)."""
-        return bool(self.calls or self.unguarded_calls or self.not_run or self.sites or self.allowed)
+        return bool(self.calls or self.unguarded_calls or self.unsampled_calls or self.not_run or self.sites
+                    or self.allowed)
 
     def as_record(self) -> dict[str, Any]:
         return {"calls": self.calls, "unguarded_calls": self.unguarded_calls,
                 "unguardable_calls": sum(self.unguardable.values()), "protected": self.protected,
                 "not_run_calls": sum(self.not_run.values()), "writes": self.writes, "moments": self.moments,
-                "unprotected": self.unprotected}
+                "unprotected": self.unprotected, "sample_every": self.sample_every,
+                "unsampled_calls": self.unsampled_calls, "intervals_checked": self.intervals_checked,
+                "intervals_seen": self.intervals_seen}
 
 
 class SiteStats:
@@ -260,7 +269,7 @@ def _head(stats: TargetStats, sites: dict[SiteKey, SiteStats], calls: Optional[s
         writes = sum(site.writes for site in sites.values())
         if not (stats.protected or sites or stats.allowed or stats.unprotected) and kind.nothing_seen:
             return kind.nothing_seen  # never "no in-place writes" of what was never looked at
-        return (kind.watched(stats.protected, stats.moments)
+        return (kind.watched(stats.protected, stats.moments) + sampled_text(stats)
                 + (f", {plural(writes, 'write')} at {plural(len(sites), 'site')}" if sites else
                    ", no in-place writes to them" if stats.unprotected else ", no in-place writes")
                 + (f", {sum(stats.allowed.values()):,} allowed" if stats.allowed else "")
@@ -268,6 +277,9 @@ def _head(stats: TargetStats, sites: dict[SiteKey, SiteStats], calls: Optional[s
     head = plural(stats.calls, "guarded call")
     if stats.unguarded_calls:
         head += f" ({stats.unguarded_calls:,} left unguarded by KVGUARD_CALLS={calls})"
+    if stats.unsampled_calls:
+        head += (f" ({stats.unsampled_calls:,} more not checked: sampled 1 in {stats.sample_every:,}, "
+                 f"{stats.calls:,} of {stats.calls + stats.unsampled_calls:,} checked)")
     if stats.not_run:
         head += f", {plural(sum(stats.not_run.values()), 'call')} not run here ({not_run_reasons(stats.not_run)})"
     if stats.calls:
@@ -277,6 +289,15 @@ def _head(stats: TargetStats, sites: dict[SiteKey, SiteStats], calls: Optional[s
     if stats.allowed:
         head += f", {sum(stats.allowed.values()):,} allowed"
     return head
+
+
+def sampled_text(stats: TargetStats) -> str:
+    """` (sampled 1 in 100: 37 of 3,701 step intervals checked)`, the stretches before, between and after
+    optimizer steps: a sampled run never reads as a full one."""
+    if not stats.sample_every:
+        return ""
+    return (f" (sampled 1 in {stats.sample_every:,}: {stats.intervals_checked:,} of "
+            f"{plural(stats.intervals_seen, 'step interval')} checked)")
 
 
 def _detail_lines(sites: dict[SiteKey, SiteStats], allowed: dict[str, int], label: str = "") -> list[str]:
