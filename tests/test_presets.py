@@ -81,7 +81,7 @@ def test_an_unknown_preset_is_a_config_error_naming_the_known_ones() -> None:
         _config.from_env({"KVGUARD": "raise", "KVGUARD_TARGETS": "slime,slim"})
     assert str(caught.value) == (
         "invalid target 'slim' in the KVGUARD_TARGETS environment variable; without a colon it names a preset "
-        f"or one of autograd, weights, data, and none is called that; did you mean slime? (known presets: {KNOWN}); "
+        f"or one of autograd, weights, data, all, and none is called that; did you mean slime? (known presets: {KNOWN}); "
         "a function is module:qualname(argname), "
         "e.g. myrl.loss:compute_advantages_and_returns(rollout_data)")
     with pytest.raises(ConfigError, match=r"^invalid target 'myrl\.loss\.f\(x\)' in --targets; without a colon"):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -74,27 +73,17 @@ def install(kind: Kind, settings: Settings) -> None:
     end_at_the_users_line()
 
 
-def _patch_loads(module_class: Any, settings: Any) -> None:
-    """Protect a module from its first `load_state_dict` on (the outermost call, once it returns)."""
-    original = module_class.load_state_dict
-    depth = threading.local()
+def _patch_loads(module_class: Any, settings: Settings) -> None:
+    """Protect a module from its first `load_state_dict` on (the outermost call, once it is over),
+    through the one patch of `load_state_dict` every guard listens to (`kvguard._torch.patches`)."""
+    from kvguard._torch import patches as _patches
 
-    @functools.wraps(original)
-    def load_state_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
-        depth.n = getattr(depth, "n", 0) + 1
-        try:
-            result = original(self, *args, **kwargs)
-        finally:
-            depth.n -= 1
-        if depth.n == 0:
-            try:
-                _guard(settings).add_modules([(_name_of(self, sys._getframe(1)), self)])
-            except Exception as exc:  # noqa: BLE001 - a debug switch must not kill the job
-                _cannot_watch(self, exc)
-        return result
-
-    module_class.load_state_dict = load_state_dict
-    STATE.undo.append(lambda: setattr(module_class, "load_state_dict", original))
+    def loaded(module: Any) -> None:
+        try:  # the caller's frame: ours, then the patch's wrapper, then the code that loaded
+            _guard(settings).add_modules([(_name_of(module, sys._getframe(2)), module)])
+        except Exception as exc:  # noqa: BLE001 - a debug switch must not kill the job
+            _cannot_watch(module, exc)
+    STATE.undo.append(_patches.on_load_state_dict(loaded))
 
 
 def _guard(settings: Any) -> Any:
