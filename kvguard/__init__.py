@@ -10,8 +10,8 @@ Importing kvguard does not import torch; the engine loads when a guard is entere
 
 from kvguard._errors import ConfigError as ConfigError
 from kvguard._errors import GuardWarning as GuardWarning
-from kvguard._errors import MutationError as MutationError
-from kvguard._errors import MutationWarning as MutationWarning
+from kvguard._report.events import MutationError as MutationError
+from kvguard._report.events import MutationWarning as MutationWarning
 from kvguard._guard.allow import allow as allow
 from kvguard._guard.autograd import guard_autograd as guard_autograd
 from kvguard._guard.data import guard_data as guard_data

@@ -25,10 +25,6 @@ FENCE = "kvguard._torch"  # the folder of fences: every private torch API, one c
 # The name older `.pth` lines call (`import kvguard._startup`; no installer removes such a line):
 # it re-exports activation's module, so it sits with the package, above every room.
 SHIMS = ("_startup",)
-# Arrows up the rooms, each for a reason, each an import under `if TYPE_CHECKING:` only.
-TYPED_UP = {
-    ("kvguard._errors", "kvguard._report.events"): "MutationError carries its event and report, typed",
-}
 # A top-level module that is none of the above: a new one must be given its place.
 UNPLACED = -1
 
@@ -169,19 +165,8 @@ def test_arrows_point_one_way_between_rooms() -> None:
         for name, targets in edges.items()
         for target, line in targets.items()
         if UNPLACED not in (room(name), room(target)) and room(target) < room(name)
-        and (name, target) not in TYPED_UP
-    ]
+    ]  # none, not even under `if TYPE_CHECKING:` (MutationError lives with the events it carries)
     assert not upward, "\n".join(upward)
-
-
-def test_the_arrows_allowed_up_are_type_only() -> None:
-    for name, target in TYPED_UP:
-        source = (PACKAGE.parent / (name.replace(".", "/") + ".py")).read_text()
-        blocks = [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.If)
-                  and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"]
-        typed = {line for block in blocks for node in ast.walk(block) if isinstance(node, ast.ImportFrom)
-                 for line in [node.lineno]}
-        assert graph()[name][target] in typed, f"{name} -> {target} is not under `if TYPE_CHECKING:`"
 
 
 def test_every_module_has_its_place() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional
 
-from kvguard._errors import MutationError
+from kvguard._report.events import MutationError
 from kvguard._text import say
 
 _installed = False

@@ -53,7 +53,8 @@ import pytest
 
 from kvguard._activate.pytest_off import MARKER_HELP, OffLedger
 from kvguard._config import OFF, parse_action
-from kvguard._errors import ConfigError, MutationError, MutationWarning
+from kvguard._errors import ConfigError
+from kvguard._report.events import MutationError, MutationWarning
 
 if TYPE_CHECKING:
     from kvguard._guard.guard import Guard

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 
 from kvguard._engine import diff as _diff
-from kvguard._errors import MutationError
+from kvguard._report.events import MutationError
 from kvguard._protect import frames as _frames
 from kvguard._protect import geometry as _geometry
 from kvguard._protect.entries import Change, Entry

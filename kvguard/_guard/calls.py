@@ -27,7 +27,7 @@ from typing import (Any, AsyncGenerator, Callable, Collection, Coroutine, Final,
                     TypeVar, cast)
 
 from kvguard._config import check_action, guard_defaults, parse_level
-from kvguard._errors import MutationError
+from kvguard._report.events import MutationError
 from kvguard._guard import sampling as _sampling
 from kvguard._guard.guard import Guard
 from kvguard._protect import frames as _frames

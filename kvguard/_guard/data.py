@@ -261,7 +261,7 @@ def _end_worker(guards: list[DataGuard], worker: int) -> None:
     """The worker ends: leave its data guards (their counts go into the tallies), say each one's
     line, and write its summary record (without the settings' diagnostics: the process that
     runs the targets says those)."""
-    from kvguard._errors import MutationError
+    from kvguard._report.events import MutationError
     from kvguard._report import files
     from kvguard._text import say
 

@@ -17,7 +17,7 @@ import warnings
 from typing import Any, Callable, Collection, Literal, Optional, TypeVar
 
 from kvguard import _ranks
-from kvguard._errors import GuardWarning, MutationError, MutationWarning
+from kvguard._errors import GuardWarning
 from kvguard._guard import handlers as _handlers
 from kvguard._guard import options as _options
 from kvguard._guard.allow import Allowlist
@@ -28,7 +28,8 @@ from kvguard._kinds import Kind
 from kvguard._protect import frames as _frames
 from kvguard._report.account import CallAccount
 from kvguard._report import render as _render
-from kvguard._report.events import REPORTED_WHEN_ALLOWED, GuardReport, MutationEvent, detail_line, format_event
+from kvguard._report.events import (REPORTED_WHEN_ALLOWED, GuardReport, MutationError, MutationEvent, MutationWarning,
+                                    detail_line, format_event)
 from kvguard._report.process import PROCESS
 from kvguard._text import say
 

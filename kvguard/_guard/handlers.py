@@ -36,7 +36,7 @@ import os
 import types
 from typing import Iterator, NamedTuple, Optional
 
-from kvguard._errors import MutationError
+from kvguard._report.events import MutationError
 from kvguard._protect import frames as _frames
 
 OWN, OTHER, PASSES = "own", "other", "passes"  # a handler's verdict, and a frame's

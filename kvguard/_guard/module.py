@@ -183,7 +183,7 @@ class ModuleGuard(Guard):
         if not changes or self._protected is None:
             return
         from kvguard._engine.judge import unobserved_event
-        from kvguard._errors import MutationError
+        from kvguard._report.events import MutationError
         from kvguard._protect.frames import user_site
         from kvguard._report.events import format_event
 

@@ -1,5 +1,5 @@
-"""Plain records of detected mutations, with their plain and rich text. Stdlib only (rich when a
-panel is drawn); never holds a protected tensor."""
+"""Plain records of detected mutations, with their plain and rich text, and the error and warning
+that carry them. Stdlib only (rich when a panel is drawn); never holds a protected tensor."""
 
 from __future__ import annotations
 
@@ -241,3 +241,48 @@ def rich_report(report: GuardReport) -> Any:
     if more:
         items.append(Text(_more(more, report.cut)))
     return Group(*items)
+
+
+class MutationError(RuntimeError):
+    """A protected tensor was (or was about to be) written in place.
+
+    Raised before the write in `action="raise"`, so the data is intact. Carries the
+    `event` that triggered it and the guard's `report`; both are plain data, so the
+    error pickles across processes (Ray, multiprocessing).
+
+    A handler that names this class (`except MutationError:`, `pytest.raises(
+    MutationError)`; found from the bytecode when the error is raised, see `kvguard._guard.handlers`)
+    or reads the error (its text, `event` or `report`) has seen it. One that catches it
+    through a base class without looking (`except RuntimeError: retry`) swallowed it:
+    the guard raises it again at its exit.
+    """
+
+    def __init__(self, message: str, event: Optional[MutationEvent] = None,
+                 report: Optional[GuardReport] = None) -> None:
+        super().__init__(message, event, report)
+        # Shared with the guard that raised it, which keeps this cell, not the error (whose
+        # traceback holds the writing frames), to tell at its exit whether it was read
+        # (or caught by a handler that names this class).
+        self.seen_cell = [False]
+
+    @property
+    def seen(self) -> bool:
+        return self.seen_cell[0]
+
+    @property
+    def event(self) -> Optional[MutationEvent]:
+        self.seen_cell[0] = True
+        return self.args[1]  # type: ignore[no-any-return]
+
+    @property
+    def report(self) -> Optional[GuardReport]:
+        self.seen_cell[0] = True
+        return self.args[2]  # type: ignore[no-any-return]
+
+    def __str__(self) -> str:
+        self.seen_cell[0] = True
+        return str(self.args[0])
+
+
+class MutationWarning(UserWarning):
+    """A protected tensor was written in place (`action="warn"`)."""
