@@ -480,7 +480,7 @@ def test_a_storage_freed_inside_the_guard_is_found_at_exit(engine: str, level: s
 def test_device_comparisons_are_combined_there_and_read_once() -> None:
     """Digests on a device are compared there at each step and read at the boundary (no host
     synchronisation per step); 0-d CPU tensors stand in for device digests here."""
-    from kvguard._protect.weights import DeviceComparisons
+    from kvguard._protect.weights_steps import DeviceComparisons
 
     class E:  # an entry, by identity
         pass

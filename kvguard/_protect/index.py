@@ -10,7 +10,7 @@ is not a plain addition.
 from __future__ import annotations
 
 import bisect
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Hashable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ class MemoryIndex:
     """The protected memory of one protected set, for lookups by written tensor."""
 
     def __init__(self) -> None:
-        self._groups: dict[Any, _Groups] = {}  # per device
+        self._groups: dict[Hashable, _Groups] = {}  # per device
         self.by_identity: dict[int, Entry] = {}  # id(tensor) -> its entry, for tensors without memory
         self.stale = True  # rebuild before the next lookup
 
@@ -48,7 +48,7 @@ class MemoryIndex:
     def _build(self, entries: Iterable[Entry]) -> None:
         self.stale = False
         self.by_identity = {}
-        spans_of: dict[Any, list[tuple[int, int, int, Entry]]] = {}  # device -> (start, stop, order, entry)
+        spans_of: dict[Hashable, list[tuple[int, int, int, Entry]]] = {}  # device -> (start, stop, order, entry)
         for order, entry in enumerate(entries):
             for span in self._spans(entry):
                 spans_of.setdefault(span.device, []).append((span.start, span.stop, order, entry))

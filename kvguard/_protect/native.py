@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 import types
 from types import ModuleType
-from typing import Any, Callable, Collection, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Optional, Sequence, Union, cast
 
 import torch
 
@@ -34,8 +34,11 @@ from kvguard._protect.entries import Change, Entry
 from kvguard._protect.index import MemoryIndex, overlaps, storage_range
 from kvguard._protect.protected import ProtectedSet
 from kvguard._protect.records import DIGEST
-from kvguard._protect.watch import Watcher
+from kvguard._protect.watch import Found, Watcher
 from kvguard._torch import tensors as _tensors
+
+if TYPE_CHECKING:
+    from kvguard._protect.contract import Protected
 
 _SWEEP_EVERY = 1024  # rows added since the last sweep, beyond the live ones then, before the next
 
@@ -46,18 +49,18 @@ def table_module() -> Optional[ModuleType]:
     return module if module is not None and hasattr(module, "Table") else None
 
 
-def _walked_tensors(found: list[Any]) -> list[Any]:
+def _walked_tensors(found: Found) -> list[torch.Tensor]:
     """The tensors of a walk's leaves and runs, in order."""
-    tensors: list[Any] = []
+    tensors: list[torch.Tensor] = []
     for item in found:
-        if type(item) is _tree.Run:
+        if isinstance(item, _tree.Run):
             tensors += item.tensors
         else:
             tensors.append(item.tensor)
     return tensors
 
 
-def _new_only(found: list[Any], again: list[tuple[int, int]]) -> list[Any]:
+def _new_only(found: Found, again: list[tuple[int, int]]) -> Found:
     """A walk's leaves and runs less the tensors `Table.add` found protected already (`again`:
     their positions among the tensors), spelled out as leaves where there are any."""
     if not again:
@@ -144,7 +147,7 @@ class _Added(list[Entry]):
 class NativeSet(ProtectedSet):
     """`ProtectedSet`'s contract, its tensors kept as rows of a C++ table."""
 
-    def __init__(self, root: Any, name: str, keys: Optional[Collection[Any]], ignore: Collection[Any],
+    def __init__(self, root: object, name: str, keys: Optional[Collection[object]], ignore: Collection[object],
                  fingerprint: bool = True) -> None:  # noqa: D107 - ProtectedSet's, without its per-tensor state
         module = table_module()
         if module is None:
@@ -153,7 +156,7 @@ class NativeSet(ProtectedSet):
         # The row flags Python reads, as the table exports them (`RowFlag` in csrc/table.h).
         self._explained_flag: int = module.ROW_EXPLAINED
         self._python_flag: int = module.ROW_PYTHON
-        self._paths: list[Any] = []  # per row: its path, or (prefix, first row) for a run's rows (`_path`)
+        self._paths: list[Union[str, tuple[str, int], None]] = []  # per row: its path, or (prefix, first row) of a run's
         self._placed: list[Optional[str]] = []  # per row: where it was placed (None: there at entry)
         self._made: dict[int, RowEntry] = {}  # rows a hit or a report asked for
         self._py_records: dict[int, _records.Record] = {}  # rows the table cannot describe
@@ -177,7 +180,7 @@ class NativeSet(ProtectedSet):
     def _path(self, row: int) -> str:
         """A row's path: kept as it is, or spelled from its run's prefix."""
         path = self._paths[row]
-        if path is None or type(path) is str:
+        if path is None or isinstance(path, str):
             return path or ""
         prefix, first = path
         return f"{prefix}[{row - first}]"
@@ -192,20 +195,21 @@ class NativeSet(ProtectedSet):
         row = self._table.row_of(tensor)
         return self._entry(row) if row >= 0 else None
 
-    def _add(self, found: list[Any], frames: Optional[list[Any]]) -> Any:
+    def _add_rows(self, found: Found, frames: Optional[list[types.FrameType]]) -> Optional[_Added]:
         """Protect newly reached tensors (a walk's leaves and runs) in one C++ call; returns what
         the hook must learn."""
         first, again, python = self._table.add(_walked_tensors(found))
         return self._took(first, _new_only(found, again), python, frames)
 
-    def _took(self, first: int, found: list[Any], python: list[int], frames: Optional[list[Any]]) -> Any:
+    def _took(self, first: int, found: Found, python: list[int],
+              frames: Optional[list[types.FrameType]]) -> Optional[_Added]:
         """Rows from `first` on were made for `found` (leaves and runs, every tensor new): keep
         their paths and placements, a run's as one (prefix, first row) for all its rows."""
         paths, placed = self._paths, self._placed
         placements = _frames.Placements(frames) if frames is not None else None  # each frame read once
         row = first
         for item in found:
-            if type(item) is _tree.Run:
+            if isinstance(item, _tree.Run):
                 n = len(item.tensors)
                 if not n:
                     continue
@@ -298,18 +302,18 @@ class NativeSet(ProtectedSet):
 
     # -- placement ---------------------------------------------------------------------
 
-    def _place(self, frames: Optional[list[Any]], touched: Optional[list[int]] = None) -> None:
+    def _place(self, frames: Optional[list[types.FrameType]], touched: Optional[list[int]] = None) -> None:
         leaves = self._watcher.placed(touched)
         if leaves is None:
             return self._scan_now(frames)
-        added = self._add(leaves, frames) if leaves else None
+        added = self._add_rows(leaves, frames) if leaves else None
         del leaves
         if added is not None:
             self._rebuild_index(added)
         else:
             self._rebuild_index(_Added(len(self._table), []))  # the watch changed: the hook compares anew
 
-    def _scan_now(self, frames: Optional[list[Any]]) -> None:
+    def _scan_now(self, frames: Optional[list[types.FrameType]]) -> None:
         """A full walk: protect what it reaches for the first time, and note which rows it
         reached and by which paths, for `settle` (no per-tensor work for a tensor reached once)."""
         self._dirty = False
@@ -317,7 +321,7 @@ class NativeSet(ProtectedSet):
         first, again, python = self._table.add(_walked_tensors(leaves))
         walked: dict[int, list[str]] = {}  # row -> its paths in this walk, beyond a new row's own
         if again:
-            leaves = _tree.leaves_of(leaves)
+            leaves = cast("Found", _tree.leaves_of(leaves))  # spelled out once: `_new_only` takes them so
             for position, row in again:
                 walked.setdefault(row, []).append(leaves[position].path)
         self._took(first, _new_only(leaves, again), python, frames)
@@ -601,3 +605,7 @@ class NativeSet(ProtectedSet):
         self._py_memory.clear()
         self._watcher.close()
         self._walk = (0, {})
+
+
+if TYPE_CHECKING:
+    _meets: type[Protected] = NativeSet  # mypy checks the set against the contract here

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import types
 import weakref
-from typing import Any, Callable, Collection, Optional, Sequence
+from typing import Callable, Collection, Hashable, Optional, Sequence, Union, cast
 
 import torch
 
@@ -21,7 +21,7 @@ from kvguard._protect import frames as _frames
 from kvguard._protect import records as _records
 from kvguard._protect import tree as _tree
 from kvguard._protect.collector import collector_paused
-from kvguard._protect.contract import Added, Capabilities, Publisher, SnapshotPairs
+from kvguard._protect.contract import Added, Capabilities, Protected, Publisher, SnapshotPairs
 from kvguard._protect.entries import Change, Entry, StrongRef
 from kvguard._protect.index import MemoryIndex
 from kvguard._protect.records import DIGEST, LAYOUT
@@ -40,13 +40,13 @@ class ProtectedSet(Capabilities):
     # elsewhere (a dataset's returns, autograd's packs, a model's weights) keep all they protect.
     lets_go_of_what_left = True
 
-    def __init__(self, root: Any, name: str, keys: Optional[Collection[Any]], ignore: Collection[Any],
+    def __init__(self, root: object, name: str, keys: Optional[Collection[object]], ignore: Collection[object],
                  fingerprint: bool = True) -> None:
         self._entries: dict[int, Entry] = {}
         self._memory = MemoryIndex()  # which entries a write touches
         self._watcher = Watcher(root, name, keys, ignore)  # where placements show
         self._dirty = False  # a protected tensor died: forget it before the next write is judged
-        self._reached: dict[int, Any] = {}  # id -> path(s) that reached each tensor at the last full walk
+        self._reached: dict[int, Union[str, list[str]]] = {}  # id -> path(s) that reached each tensor at the last full walk
         self._reach_applied = True  # entries' aliases and `detached` agree with `_reached`
         # Told when the protected memory changes: with the entries added, or None when it changed otherwise.
         self.on_index: Optional[Callable[[Added], None]] = None
@@ -123,9 +123,9 @@ class ProtectedSet(Capabilities):
             with collector_paused():
                 self._place(frames, touched)
 
-    def _place(self, frames: list[Any], touched: Optional[list[int]] = None) -> None:
+    def _place(self, frames: list[types.FrameType], touched: Optional[list[int]] = None) -> None:
         """Protect what was placed into the watched containers that changed (see `Watcher.placed`)."""
-        leaves = self._watcher.placed(touched)
+        leaves = cast("Optional[list[_tree.Leaf]]", self._watcher.placed(touched))  # leaves only: made without runs
         if leaves is None:
             return self._scan_now(frames)
         known, new, taken = self._entries, [], set()
@@ -159,12 +159,12 @@ class ProtectedSet(Capabilities):
                 entry.detached = paths is None
                 if paths is None:
                     entry.aliases = ()
-                elif type(paths) is list:
+                elif isinstance(paths, str):
+                    entry.path, entry.aliases = paths, ()
+                else:
                     if entry.path not in paths:
                         entry.path = paths[0]
                     entry.aliases = tuple(p for p in paths if p != entry.path)
-                else:
-                    entry.path, entry.aliases = paths, ()
 
     def _forget_dead(self) -> None:
         self._dirty = False
@@ -188,7 +188,7 @@ class ProtectedSet(Capabilities):
         return self._watcher.watching
 
     @property
-    def keys_seen(self) -> set[Any]:
+    def keys_seen(self) -> set[Hashable]:
         """Top-level keys (or indices) the guarded object ever held."""
         return self._watcher.keys_seen
 
@@ -241,15 +241,15 @@ class ProtectedSet(Capabilities):
             self._rebuild_index()
         return moved
 
-    def _scan(self, frames: Optional[list[Any]]) -> None:
+    def _scan(self, frames: Optional[list[types.FrameType]]) -> None:
         with collector_paused():
             self._scan_now(frames)
 
-    def _scan_now(self, frames: Optional[list[Any]]) -> None:
+    def _scan_now(self, frames: Optional[list[types.FrameType]]) -> None:
         self._dirty = False
         self._drop_dead()
-        leaves = self._watcher.walk_all()
-        reached: dict[int, Any] = {}  # id -> the path, or a list of paths when several reach it
+        leaves = cast("list[_tree.Leaf]", self._watcher.walk_all())  # leaves only: made without runs
+        reached: dict[int, Union[str, list[str]]] = {}  # id -> the path, or a list of paths when several reach it
         new: list[_tree.Leaf] = []
         entries = self._entries
         for leaf in leaves:
@@ -260,10 +260,10 @@ class ProtectedSet(Capabilities):
                 known = entries.get(key)
                 if known is None or known.ref() is not leaf.tensor:
                     new.append(leaf)
-            elif type(paths) is list:
-                paths.append(leaf.path)
-            else:
+            elif isinstance(paths, str):
                 reached[key] = [paths, leaf.path]
+            else:
+                paths.append(leaf.path)
         if new:
             self._add(new, frames)
         self._reached = reached  # aliases and `detached` are read from it when a report needs them
@@ -283,7 +283,7 @@ class ProtectedSet(Capabilities):
         says otherwise), from the one source it reads records with (`records.describe`)."""
         return _records.describe(tensors, self._fingerprint if digest is None else digest, self._compiled)
 
-    def _add(self, leaves: list[_tree.Leaf], frames: Optional[list[Any]]) -> list[Entry]:
+    def _add(self, leaves: list[_tree.Leaf], frames: Optional[list[types.FrameType]]) -> list[Entry]:
         """Protect newly reached tensors: their records (memory, layout, digest) in one batch."""
         records = self._records_of([leaf.tensor for leaf in leaves])
         on_death, entries = self._on_death, self._entries
@@ -389,7 +389,7 @@ class ProtectedSet(Capabilities):
             entry.digest, entry.explained = digest, False
         return found, moved
 
-    def _on_death(self, _: Any) -> None:
+    def _on_death(self, _: object) -> None:
         # The memory may be reused by a new tensor; forget it before the next write.
         self._dirty = True
 
@@ -472,3 +472,6 @@ class ProtectedSet(Capabilities):
         self._memory.clear()
         self._watcher.close()
         self._reached = {}
+
+
+_meets: type[Protected] = ProtectedSet  # mypy checks the set against the contract here

@@ -14,28 +14,31 @@ about a write (or a boundary), so writes to other memory never enter Python for 
 from __future__ import annotations
 
 import types
-from typing import Any, Optional
+from typing import Callable, Generic, Optional, TypeVar
 
 import torch
 
 from kvguard._protect.collector import collector_paused
-from kvguard._protect.entries import Entry
+from kvguard._protect.entries import Change, Entry
 from kvguard._protect.protected import ProtectedSet
 from kvguard._protect.records import Record
 
+# How a queued set holds what waits: a weak reference of its own kind, calling it gives the tensor.
+Ref = TypeVar("Ref", bound=Callable[[], Optional[torch.Tensor]])
 
-class QueuedSet(ProtectedSet):
+
+class QueuedSet(ProtectedSet, Generic[Ref]):
     """Protects what `_pending` holds (weak references) at the next look; subclasses name each entry."""
 
     lets_go_of_what_left = False  # nothing is placed: each tensor is protected while it lives
 
     def __init__(self, name: str, fingerprint: bool = False) -> None:
-        self._pending: list[Any] = []  # weak references not protected yet: the watched container
+        self._pending: list[Ref] = []  # weak references not protected yet: the watched container
         # (weak reference, record) of tensors the write hook knows already, their entries not made yet
-        self._described: list[tuple[Any, Any]] = []
+        self._described: list[tuple[Ref, Record]] = []
         super().__init__(self._pending, name, None, (), fingerprint=fingerprint)
 
-    def _entry(self, ref: Any, tensor: torch.Tensor, record: Record) -> Entry:
+    def _entry(self, ref: Ref, tensor: torch.Tensor, record: Record) -> Entry:
         """The entry for `tensor`, queued as `ref`."""
         raise NotImplementedError
 
@@ -79,7 +82,7 @@ class QueuedSet(ProtectedSet):
         if added or known:
             self._rebuild_index(added + known)
 
-    def _scan_now(self, frames: Optional[list[Any]]) -> None:
+    def _scan_now(self, frames: Optional[list[types.FrameType]]) -> None:
         self._dirty = False
         if not self._watcher.watching:
             self._watcher.walk_all()  # the pending list, empty: what the write hook compares
@@ -88,7 +91,7 @@ class QueuedSet(ProtectedSet):
         if self._drop_dead():
             self._rebuild_index()
 
-    def boundary_changes(self, caller: Optional[types.FrameType], rescan: bool = True) -> list[Any]:
+    def boundary_changes(self, caller: Optional[types.FrameType], rescan: bool = True) -> list[Change]:
         """Nothing to compare at a boundary (fingerprints are off: these tensors' values are their
         writes' to tell); protects what waits and forgets the dead."""
         self.look()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numbers
 import weakref
-from typing import Any, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -28,16 +28,18 @@ class _Returned(weakref.ref):  # type: ignore[type-arg]
 
     __slots__ = ("path", "placed")
 
-    def __new__(cls, tensor: torch.Tensor, callback: Any, path: str, placed: Optional[str]) -> _Returned:
+    def __new__(cls, tensor: torch.Tensor, callback: Callable[[_Returned], None], path: str,
+                placed: Optional[str]) -> _Returned:
         return super().__new__(cls, tensor, callback)
 
-    def __init__(self, tensor: torch.Tensor, callback: Any, path: str, placed: Optional[str]) -> None:
+    def __init__(self, tensor: torch.Tensor, callback: Callable[[_Returned], None], path: str,
+                 placed: Optional[str]) -> None:
         super().__init__(tensor, callback)  # type: ignore[call-arg]  # weakref.ref takes them (typeshed says not)
         self.path = path
         self.placed = placed
 
 
-class SampleSet(QueuedSet):
+class SampleSet(QueuedSet[_Returned]):
     """The tensors datasets returned while the guard was active, protected while they live."""
 
     def __init__(self, name: str) -> None:
@@ -47,7 +49,7 @@ class SampleSet(QueuedSet):
         self.samples = 0  # samples returned (a batch from `__getitems__` counts each)
         super().__init__(name)
 
-    def returned(self, path: str, sample: Any, placed: Optional[str]) -> None:
+    def returned(self, path: str, sample: object, placed: Optional[str]) -> None:
         """`sample` was just returned as `path` (`GPTDataset[3]`): protect its tensors from now on."""
         self.samples += 1
         leaves, _ = _tree.walk(sample, path, torch.Tensor)
@@ -61,7 +63,7 @@ class SampleSet(QueuedSet):
             self._pending.append(ref)
             self.protected_count += 1  # protected from now: a write looks at what waits first
 
-    def _entry(self, ref: Any, tensor: torch.Tensor, record: Record) -> Entry:
+    def _entry(self, ref: _Returned, tensor: torch.Tensor, record: Record) -> Entry:
         return Entry(ref.path, record, ref, ref.placed)
 
     def _flush(self) -> None:
@@ -72,7 +74,7 @@ class SampleSet(QueuedSet):
         """A sample's path is fixed when it is returned: nothing moves it."""
 
 
-def sample_path(dataset: Any, index: Any) -> str:
+def sample_path(dataset: object, index: object) -> str:
     """`GPTDataset[3]`: the dataset's class and the index as the caller gave it."""
     if isinstance(index, numbers.Integral):
         index = int(index)

@@ -13,20 +13,21 @@ changed only, so its cost follows the containers it went into, not everything wa
 
 from __future__ import annotations
 
-from typing import Any, Collection, Optional
+from typing import Collection, Hashable, Optional, Sequence, Union
 
 import torch
 
 from kvguard._protect import tree as _tree
-
+from kvguard._protect.contract import SnapshotPairs
 
 SEGMENT = 256  # values: a container this large is a segment of its own
+Found = list[Union[_tree.Leaf, _tree.Run]]  # what a walk found: leaves, and lists of tensors as runs
 
 
-def _segments(containers: list[Any]) -> list[_tree.Snapshot]:
+def _segments(containers: Sequence[_tree.Container]) -> list[_tree.Snapshot]:
     """Snapshots of `containers` in segments (see the module's docstring), in order."""
     out: list[_tree.Snapshot] = []
-    chunk: list[Any] = []
+    chunk: list[_tree.Container] = []
     size = 0
     for container in containers:
         n = 1 if type(container) is _tree.Probe else len(container)
@@ -43,7 +44,7 @@ def _segments(containers: list[Any]) -> list[_tree.Snapshot]:
     return out
 
 
-def _parts(snap: _tree.Snapshot) -> list[Any]:
+def _parts(snap: _tree.Snapshot) -> list[_tree.Container]:
     """The containers and probes a snapshot was taken of."""
     return [*snap.containers, *(probe for probe, _ in snap.probes)]
 
@@ -51,18 +52,18 @@ def _parts(snap: _tree.Snapshot) -> list[Any]:
 class Watcher:
     """What one guarded object's containers held, and the walk state to find what was placed."""
 
-    def __init__(self, root: Any, name: str, keys: Optional[Collection[Any]], ignore: Collection[Any],
+    def __init__(self, root: object, name: str, keys: Optional[Collection[object]], ignore: Collection[object],
                  runs: bool = False) -> None:
         self.root, self.name, self.keys, self.ignore = root, name, keys, ignore
         self.runs = runs  # lists of tensors come back as one `tree.Run` each
         self.segments: list[_tree.Snapshot] = []
         self.owners: dict[int, _tree.Owner] = {}  # id of a watched dict, list or probe -> its container
-        self.walked: dict[int, Any] = {}  # id -> every container walked since the last full walk
+        self.walked: dict[int, object] = {}  # id -> every container walked since the last full walk
         self.grown = 0  # containers added to the watch since the last full walk
         self.partial = False  # placements were walked in part since the last full walk
-        self.keys_seen: set[Any] = set()  # top-level keys (or indices) the root ever held
+        self.keys_seen: set[Hashable] = set()  # top-level keys (or indices) the root ever held
 
-    def walk_all(self) -> list[Any]:
+    def walk_all(self) -> Found:
         """Every tensor reachable from the guarded object, each path once (leaves, or runs); the
         watch starts over."""
         self.partial, self.grown = False, 0
@@ -85,7 +86,7 @@ class Watcher:
         """Whether a watched dict's keys changed (a rename moves paths with no placement)."""
         return any(map(_tree.keys_changed, self.segments))
 
-    def placed(self, touched: Optional[list[int]] = None, final: bool = False) -> Optional[list[Any]]:
+    def placed(self, touched: Optional[list[int]] = None, final: bool = False) -> Optional[Found]:
         """The tensors placed into the containers that changed (in the `touched` segments, if
         known already), walking only what is new; None when only a full walk can tell (`walk_all`).
 
@@ -96,8 +97,8 @@ class Watcher:
         a walked one, or a watch that doubled, then asks for no full walk (what is no longer
         reachable is let go with the whole watch), and no new snapshot is taken.
         """
-        leaves: list[Any] = []
-        grown: list[Any] = []
+        leaves: Found = []
+        grown: list[_tree.Container] = []
         if touched is None:
             touched = self.touched()
         for target, held in (pair for i in touched for pair in _tree.changed_at(self.segments[i])):
@@ -136,7 +137,7 @@ class Watcher:
         self.partial = True
         return leaves
 
-    def snapshot_pairs(self) -> Optional[list[tuple[tuple[Any, ...], tuple[Any, ...]]]]:
+    def snapshot_pairs(self) -> SnapshotPairs:
         """(containers, held) per segment, for the compiled hook to compare before each write;
         None when only Python can tell (slots and deques)."""
         if any(snap.probed for snap in self.segments):
