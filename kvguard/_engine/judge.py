@@ -20,7 +20,7 @@ from kvguard._report.events import MutationError
 from kvguard._protect import frames as _frames
 from kvguard._protect import geometry as _geometry
 from kvguard._protect.entries import Change, Entry
-from kvguard._protect.protected import ProtectedSet
+from kvguard._protect.contract import Protected
 from kvguard._report.events import EventKind, MutationEvent
 from kvguard._torch import autograd as _autograd
 from kvguard._torch import ops as _ops
@@ -147,7 +147,7 @@ def _storage_address(tensor: torch.Tensor) -> int:
 class WriteJudge:
     """Reports the writes of one guard's protected set; engines call `begin` per writing op."""
 
-    def __init__(self, protected: ProtectedSet, on_event: Callable[..., None], block: bool) -> None:
+    def __init__(self, protected: Protected, on_event: Callable[..., None], block: bool) -> None:
         self.protected = protected
         self.on_event = on_event
         self.block = block
@@ -425,7 +425,7 @@ WEIGHTS_HINT = ("the weights change outside an optimizer's step() here; if that 
                 "a re-initialisation), say so with kvguard.allow('why') around it")
 
 
-def _sharing(hit: list[Entry], protected: ProtectedSet) -> dict[int, tuple[str, ...]]:
+def _sharing(hit: list[Entry], protected: Protected) -> dict[int, tuple[str, ...]]:
     """Entry -> the other paths to its memory: its own aliases (the same tensor under another path),
     then the other entries hit whose elements overlap its own."""
     if len(hit) < 2:

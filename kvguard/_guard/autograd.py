@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Collection, Literal, Optional
+from typing import TYPE_CHECKING, Any, Collection, Literal, Optional
 
 from kvguard._errors import GuardWarning
 from kvguard._guard.guard import Guard
 from kvguard._kinds import AUTOGRAD
 from kvguard._report.tally import unprotected_text
 from kvguard._text import plural
+
+if TYPE_CHECKING:
+    from kvguard._protect.saved import SavedSet
 
 
 class AutogradGuard(Guard):
@@ -31,6 +34,7 @@ class AutogradGuard(Guard):
     # perturbation): allowed with no setting, as data in `kvguard._intended`.
     intended_for = "autograd"
     kind = AUTOGRAD
+    _protected: Optional[SavedSet]
 
     def __init__(self, *, name: Optional[str] = None, action: Optional[str] = "raise",
                  allow: Optional[Collection[str]] = None, report_dir: Optional[str | os.PathLike[str]] = None,
@@ -70,6 +74,7 @@ class AutogradGuard(Guard):
         elif not self.delegated:
             import torch
 
+            assert self._protected is not None  # made as the guard was entered
             self._hooks = torch.autograd.graph.saved_tensors_hooks(*self._protected.hooks())
             self._hooks.__enter__()
         return self

@@ -17,10 +17,13 @@ import functools
 import os
 import threading
 import weakref
-from typing import Any, Callable, Collection, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Collection, Literal, Optional
 
 from kvguard._guard.guard import Guard
 from kvguard._kinds import DATA
+
+if TYPE_CHECKING:
+    from kvguard._protect.samples import SampleSet
 
 _MARK = "__kvguard_data__"
 _active: list[DataGuard] = []  # the data guards entered now, in any thread
@@ -32,6 +35,7 @@ class DataGuard(Guard):
     """A guard over every tensor a dataset returns while it is active. Use `guard_data()`."""
 
     kind = DATA
+    _protected: Optional[SampleSet]
 
     def __init__(self, *, name: Optional[str] = None, action: Optional[str] = "raise",
                  allow: Optional[Collection[str]] = None, report_dir: Optional[str | os.PathLike[str]] = None,

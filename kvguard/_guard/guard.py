@@ -26,6 +26,7 @@ from kvguard._guard.allow import said_by_target as allow_said
 from kvguard._guard.target import caller_name, check_target
 from kvguard._kinds import Kind
 from kvguard._protect import frames as _frames
+from kvguard._protect.contract import Protected
 from kvguard._report.account import CallAccount
 from kvguard._report import render as _render
 from kvguard._report.events import (REPORTED_WHEN_ALLOWED, GuardReport, MutationError, MutationEvent, MutationWarning,
@@ -62,7 +63,7 @@ class Guard:
         self.report = GuardReport(name=self.name, action=self.action)
         self._attachment: Any = None  # the engine's hold on this guard (see `kvguard._engine.choice`), level "full"
         self.engine: Optional[str] = None  # which engine finds its writes, once entered ("full" only)
-        self._protected: Any = None
+        self._protected: Optional[Protected] = None
         self._entered = False
         # (seen cell, message, event) of each error raised in an op; unread ones are raised
         # again at exit. Not the errors: their tracebacks hold the writing frames.
@@ -139,7 +140,7 @@ class Guard:
         allow_boundaries.append(self._allow_boundary)
         return self
 
-    def _new_protected(self) -> Any:
+    def _new_protected(self) -> Protected:
         """The protected set this guard judges writes against (`guard_autograd` has its own).
 
         Its tensors are kept in C++ (`NativeSet`) where the compiled extension serves this
@@ -169,6 +170,7 @@ class Guard:
 
     def _step_aside(self, t1: Any, t2: Any) -> Callable[[bool], None]:
         """Light level: let `swap_tensors` run (it refuses weak references); a boundary check reports it."""
+        assert self._protected is not None  # hooked only while entered
         restore = self._protected.release((t1, t2))
         return lambda swapped: restore()
 
@@ -299,6 +301,7 @@ class Guard:
         if self._judge is not None:  # collectives whose wait() was not seen: their values as of now
             self._judge.settle_collectives("at the guard's boundary check (its exit, g.check() or a pause)")
         events = []
+        assert self._protected is not None  # checked only while entered
         for change in self._protected.boundary_changes(sys._getframe(1), rescan):
             site = site or self.exit_site or _frames.user_site()
             event = boundary_event(change, site, watched_ops=self.level == "full")
@@ -456,6 +459,7 @@ class Guard:
         from kvguard._engine.judge import WriteJudge
 
         if self._judge is None:
+            assert self._protected is not None  # watched only while entered
             self._judge = WriteJudge(self._protected, self._on_event, block=self.action == "raise")
         unhook_swap = _patches.on_swap_tensors(self._judge.on_swap)
         unhook_data = _patches.on_data_assignment(self._judge.on_data)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from kvguard._protect.entries import Change
     from kvguard._protect.weights import ModuleSet
+    from kvguard._protect.weights_steps import StepSet
 
 Modules = list[tuple[str, "torch.nn.Module"]]  # (name, module): whose weights, under which names
 Loose = list[tuple[str, "torch.Tensor"]]  # (name, parameter) of parameters no named module holds
@@ -63,6 +64,7 @@ class ModuleGuard(Guard):
     """A guard over the weights of one module. Use `guard_module()`."""
 
     intended_for = "weights"  # peft's merge, trl's reference sync... (`kvguard._intended`)
+    _protected: Optional[ModuleSet]
 
     def __init__(self, modules: Modules, optimizers: tuple[Optimizer, ...], *, name: Optional[str] = None,
                  action: Optional[str] = "raise", allow: Optional[Collection[str]] = None,
@@ -121,6 +123,7 @@ class ModuleGuard(Guard):
                 live.converted(module)
         self._unwrap.append(_patches.on_module_conversion(converting))
         if self.level != "full":  # no op is seen: the intended writes the stack would show, seen otherwise
+            assert self._protected is not None  # made as the guard was entered
             self._protected.light = True
             self._unwrap.append(_patches.on_load_state_dict(loaded))
         return self
@@ -163,7 +166,7 @@ class ModuleGuard(Guard):
         self.modules, self.optimizers = [], ()  # a guard left behind (its cycles wait for gc) holds neither
         return super().__exit__(exc_type, exc, tb)
 
-    def stepping(self, optimizer: Optimizer) -> object:
+    def stepping(self, optimizer: Optimizer) -> Optional[StepSet]:
         """Called by the wrapped `step` of `optimizer` before it runs: what changed in its parameters
         since the last step with no op reporting it is reported (the step would absorb it; under
         "raise" the step does not run), then they step aside; returns the token `stepped` takes
@@ -197,7 +200,7 @@ class ModuleGuard(Guard):
         if events and self.action == "raise":
             raise MutationError(format_event(events[0]), events[0], self.report)
 
-    def stepped(self, token: object) -> None:
+    def stepped(self, token: Optional[StepSet]) -> None:
         if token is not None and self._protected is not None:
             self._protected.end_step(token)
 
