@@ -8,14 +8,14 @@ leaves the data intact.
 
 from __future__ import annotations
 
-import ast
-import sys
 import threading
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
+from kvguard._engine import collectives as _collectives
 from kvguard._engine import diff as _diff
+from kvguard._engine import hints as _hints
 from kvguard._report.events import MutationError
 from kvguard._protect import frames as _frames
 from kvguard._protect import geometry as _geometry
@@ -101,7 +101,7 @@ def judge_all(judges: Iterable[WriteJudge], func: Any, facts: _ops.OpFacts, writ
     """
     _local.stopped = False
     judged = getattr(_local, "graph_storages", None)
-    if judged and all(_storage_address(t) in judged for t in written):
+    if judged and all(_collectives.storage_address(t) in judged for t in written):
         return []  # a compiled graph's own write to an input it mutates: judged before the graph ran
     pending: list[PendingWrite] = []
     stop: Optional[MutationError] = None
@@ -130,18 +130,11 @@ def judged_as_graph_writes(tensors: Sequence[torch.Tensor]) -> Callable[[], None
     it dispatches into their memory are not judged again (an inductor wrapper's `aten.copy_`).
     Returns the undo."""
     outer = getattr(_local, "graph_storages", None)
-    _local.graph_storages = (outer or frozenset()) | {_storage_address(t) for t in tensors}
+    _local.graph_storages = (outer or frozenset()) | {_collectives.storage_address(t) for t in tensors}
 
     def undo() -> None:
         _local.graph_storages = outer
     return undo
-
-
-def _storage_address(tensor: torch.Tensor) -> int:
-    try:
-        return int(tensor.untyped_storage().data_ptr())
-    except Exception:  # noqa: BLE001 - no storage (a subclass): never taken for another's
-        return -id(tensor)
 
 
 class WriteJudge:
@@ -231,7 +224,7 @@ class WriteJudge:
             if collective and not failed and not capturing and landed:
                 # An asynchronous collective's values are read once it has completed: at its `wait()` (a
                 # synchronous call waits before returning), else at the guard's next boundary.
-                _defer(self, written, lambda when: report(landed, when))
+                _collectives.defer(self, written, lambda when: report(landed, when))
                 return
             report(landed)
 
@@ -284,7 +277,7 @@ class WriteJudge:
     def settle_collectives(self, when: str) -> None:
         """Report the collectives this judge saw whose `wait()` has not been seen, reading their values
         now (`when`: "at the guard's exit", ...): the guard reaches a boundary."""
-        for pending in _take(lambda p: p.judge is self):
+        for pending in _collectives.take(lambda p: p.judge is self):
             pending.report(when)
 
     def on_swap(self, t1: torch.Tensor, t2: torch.Tensor) -> Callable[[bool], None]:
@@ -409,20 +402,13 @@ class WriteJudge:
             filename=site.filename, lineno=site.lineno, code=site.code, function=site.function,
             placed_at=entry.placed_at, tensor=described, before=before, after=after, diff=diff,
             aliases=shared or tuple(entry.aliases), detached=entry.detached,
-            hint=hint(func, site.code, self.protected.holds_weights) if blocked else "",
+            hint=_hints.hint(func, site.code, self.protected.holds_weights) if blocked else "",
             unversioned=unversioned,
         )
         self.protected.note(entry, f"{event.op} at {event.site} ({event.code})"
                             + (", its version counter only" if kind == "version" else "")
                             + (", stopped before it ran" if blocked else ""))
         return event
-
-
-OPTIMIZER_HINT = ("this write is an optimizer's step(): pass the optimizer, kvguard.guard_module(model, "
-                  "optimizer=opt), and its steps are the writes meant")
-GENERAL_HINT = "write to a new tensor or clone first (k = k.clone())"
-WEIGHTS_HINT = ("the weights change outside an optimizer's step() here; if that is meant (a weight sync, an EMA, "
-                "a re-initialisation), say so with kvguard.allow('why') around it")
 
 
 def _sharing(hit: list[Entry], protected: Protected) -> dict[int, tuple[str, ...]]:
@@ -447,53 +433,6 @@ def _overlapping(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
         return a is b or _geometry.elements_overlap(a, b)
     except Exception:  # noqa: BLE001 - a layout it cannot read: not named as shared
         return False
-
-
-def hint(func: Any, code: str = "", weights: bool = False) -> str:
-    """The `hint` line of a stopped write: the fix for this guard's kind, this op and this line.
-
-    A model's weights are written by their optimizer's step (say which with `optimizer=`)
-    or on purpose (`kvguard.allow`). Other data is written to a new tensor: the user's own
-    `k *= c` rewritten as `k = k * c`, else the op's out-of-place twin when the schema's
-    name has one (`masked_fill_` -> `masked_fill`), derived rather than listed.
-    """
-    if weights:
-        return OPTIMIZER_HINT if _in_optimizer_step() else WEIGHTS_HINT
-    rewritten = _out_of_place(code)
-    if rewritten is not None:
-        return f"write to a new tensor ({rewritten[1]}) or clone first ({rewritten[0]} = {rewritten[0]}.clone())"
-    name, _, overload = str(func).removeprefix("aten.").partition(".")
-    twin = name[:-1] if name.endswith("_") and not name.endswith("__") else ""
-    if overload == "out" or overload.endswith("_out"):  # `torch.add(a, b, out=k)`: drop out=
-        return f"write to a new tensor (k = torch.{name}(...) without out=) or clone first (k = k.clone())"
-    if twin and not twin.startswith("_") and callable(getattr(torch.Tensor, twin, None)):
-        given = "()" if _ops.argument_count(func) == 1 else "(...)"  # `relu_(self)`: nothing to pass
-        return f"write to a new tensor (k = k.{twin}{given}) or clone first (k = k.clone())"
-    return GENERAL_HINT
-
-
-def _out_of_place(code: str) -> Optional[tuple[str, str]]:
-    """(`k`, `k = k * c`) for a line `k *= c` (or `self.k *= c`); None for any other line."""
-    try:
-        (statement,) = ast.parse(code.strip()).body
-    except (SyntaxError, ValueError):
-        return None
-    if not isinstance(statement, ast.AugAssign) or isinstance(statement.target, ast.Subscript):
-        return None  # `k[i] += c` rebound is still a write into k
-    target = statement.target
-    assign = ast.Assign(targets=[target], value=ast.BinOp(target, statement.op, statement.value), lineno=1)
-    return ast.unparse(target), ast.unparse(assign)
-
-
-def _in_optimizer_step() -> bool:
-    """Whether the write runs inside an optimizer's `step()` (a frame `step` of a `torch.optim.Optimizer`)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "step" and isinstance(_frames.frame_names(frame, ("self",)).get("self"),
-                                                         torch.optim.Optimizer):
-            return True
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
 
 
 def _no_repoint(done: bool) -> None:
@@ -538,44 +477,6 @@ def _placed(t: torch.Tensor) -> str:
         return f"{_diff.describe(t)} at element {t.storage_offset()} of its storage (strides {tuple(t.stride())})"
     except Exception:  # noqa: BLE001
         return "a tensor"
-
-
-class _Collective:
-    """An asynchronous collective's write to protected memory, reported once it has completed."""
-
-    __slots__ = ("judge", "storages", "report")
-
-    def __init__(self, judge: WriteJudge, storages: frozenset[int], report: Callable[[str], None]) -> None:
-        self.judge, self.storages, self.report = judge, storages, report
-
-
-_collectives: list[_Collective] = []
-_collectives_lock = threading.Lock()
-_unhook_wait: list[Callable[[], None]] = []  # the `Work.wait()` listener's undo, while one is installed
-
-
-def _defer(judge: WriteJudge, written: Sequence[torch.Tensor], report: Callable[[str], None]) -> None:
-    with _collectives_lock:
-        _collectives.append(_Collective(judge, frozenset(_storage_address(t) for t in written), report))
-        if not _unhook_wait:
-            _unhook_wait.append(_patches.on_work_wait(_on_wait))
-
-
-def _take(which: Callable[[_Collective], bool]) -> list[_Collective]:
-    with _collectives_lock:
-        taken = [p for p in _collectives if which(p)]
-        _collectives[:] = [p for p in _collectives if not which(p)]
-        if not _collectives and _unhook_wait:
-            _unhook_wait.pop()()
-    return taken
-
-
-def _on_wait(outputs: Optional[list[torch.Tensor]]) -> None:
-    """A collective completed (its `wait()` returned): report the writes it made to protected memory
-    (those into the storages it wrote; every pending one where the backend does not say which)."""
-    done = None if outputs is None else {_storage_address(t) for t in outputs}
-    for pending in _take(lambda p: done is None or bool(p.storages & done)):
-        pending.report("")
 
 
 def _aliased(hit: list[Entry], tensors: dict[int, Optional[torch.Tensor]],
