@@ -151,3 +151,30 @@ def test_unchecked_intervals_install_no_saved_tensor_hooks(monkeypatch: pytest.M
     clock.close()
     assert all(checked == hook for checked, hook in hooked)
     assert 2 <= sum(checked for checked, _ in hooked) <= 5 and g.graphs == sum(checked for checked, _ in hooked)
+
+
+@pytest.mark.slow
+def test_dataloader_workers_check_everything_they_load(tmp_path: Path) -> None:
+    """A worker forked while the parent's interval was unchecked makes no optimizer step: it checks
+    all it loads (and says so), whatever the parent's sample."""
+    script = tmp_path / "load.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+
+        class DS(torch.utils.data.Dataset):
+            def __len__(self): return 64
+            def __getitem__(self, i): return torch.full((4,), float(i))
+
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for epoch in range(3):
+            for x in torch.utils.data.DataLoader(DS(), batch_size=4, num_workers=2):
+                model(x).sum().backward(); opt.step(); opt.zero_grad()
+        print("done")
+    """))
+    result = run_python(script, cwd=tmp_path, KVGUARD="raise", KVGUARD_TARGETS="data,weights",
+                        KVGUARD_SAMPLE="1/100,seed=1")
+    assert result.returncode == 0, result.stderr
+    workers = [line for line in result.stderr.splitlines() if line.startswith("kvguard [DataLoader worker")]
+    assert len(workers) == 6 and all("32 tensors returned by datasets protected" in line for line in workers), workers
+    assert "(sampled 1 in 100: " in result.stderr

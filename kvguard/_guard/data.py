@@ -80,6 +80,10 @@ class DataGuard(Guard):
         if self._protected is not None:
             self._protected.protected_count = self._protected.samples = 0
         self._events_before = len(self.report.events) + self.report.cut
+        if self._clock is not None:  # no optimizer steps here: the sampled tier checks everything a worker loads
+            self._unfollow()
+            self._clock = None
+            self.sample_in()
 
     def worker_line(self, worker: int) -> str:
         """What this guard found in a DataLoader worker process, said as the worker ends (a
