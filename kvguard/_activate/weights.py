@@ -8,7 +8,10 @@ Two ways in, wrapped once torch loads:
 - `torch.nn.Module.load_state_dict`: a module that no optimizer owns (an inference-side
   model, a rollout engine's copy) is protected from its first load on, so that a write to
   its weights between loads is reported. Weight-sync functions that write them on purpose
-  are named in `KVGUARD_ALLOW` (`module:qualname`).
+  are named in `KVGUARD_ALLOW` (`module:qualname`);
+- the rollout engine's side (`weights_loads`, `weights_receives`): `load_weights(weights)`
+  of every module (vLLM's and sglang's models), the frameworks' load points, and what a
+  process with no optimizer receives for its weights.
 
 The first of them enters one weights guard for the process (on that thread); it is left
 at exit, before the summary. A failure to watch is never silent: it is said on the
@@ -24,6 +27,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
 from kvguard._activate import process_kind
+from kvguard._activate.weights_guard import _attributes, _candidates, _guard, _is_module, _name_of, _watched
 from kvguard._kinds import WEIGHTS, Kind
 from kvguard._state import STATE
 from kvguard._text import plural, say
@@ -31,8 +35,6 @@ from kvguard._text import plural, say
 if TYPE_CHECKING:
     from kvguard._config import Settings
 
-_FRAMES = 12  # caller frames searched for the modules that hold an optimizer's parameters
-_watched: weakref.WeakSet[Any] = weakref.WeakSet()  # the optimizers the weights guard holds
 _unwatched: list[str] = []  # what could not be watched, for the exit line: `SGD made at train.py:5`
 _stderr_fd: Optional[int] = None  # the process's stderr as it was at start-up (before any capture)
 
@@ -67,6 +69,10 @@ def install(kind: Kind, settings: Settings) -> None:
         STATE.undo.append(lambda: setattr(optimizer_class, "__init__", original))
         _patch_groups(optimizer_class, settings)
         _patch_loads(torch.nn.Module, settings)
+        from kvguard._activate import weights_loads, weights_receives
+
+        weights_loads.install(settings, torch)  # the rollout engine's side: loads, and what they receive
+        weights_receives.install(settings, torch)
     wrapt.register_post_import_hook(patch, "torch")
     from kvguard._activate.process_guards import end_at_the_users_line
 
@@ -84,19 +90,6 @@ def _patch_loads(module_class: Any, settings: Settings) -> None:
         except Exception as exc:  # noqa: BLE001 - a debug switch must not kill the job
             _cannot_watch(module, exc)
     STATE.undo.append(_patches.on_load_state_dict(loaded))
-
-
-def _guard(settings: Any) -> Any:
-    """The process's weights guard, entered on first use."""
-    from kvguard._guard.module import ModuleGuard
-
-    guard = STATE.kinds.get(WEIGHTS.word)
-    if guard is None:
-        guard = ModuleGuard([], (), name=WEIGHTS.word, action=settings.action, allow=settings.allow or None,
-                            target=WEIGHTS.word)
-        STATE.kinds[WEIGHTS.word] = guard.__enter__()
-        process_kind.follow_sample(guard)
-    return guard
 
 
 def _register(optimizer: Any, settings: Any, frame: Any) -> None:
@@ -124,66 +117,6 @@ def _patch_groups(optimizer_class: Any, settings: Any) -> None:
 
     optimizer_class.add_param_group = add_param_group
     STATE.undo.append(lambda: setattr(optimizer_class, "add_param_group", original))
-
-
-def _candidates(frame: Any) -> list[tuple[str, Any]]:
-    """(name, module) of the modules in the user's frames from `frame` up, as the code names them.
-
-    A frame that cannot be read is passed over, never the end of the search: pytest's
-    frames (pluggy's `HookCaller`) and any `__slots__` class have a `self` without `__dict__`.
-    """
-    import torch
-
-    from kvguard._protect.frames import frame_namespace, user_frames
-
-    found: list[tuple[str, Any]] = []
-    for _, user in zip(range(_FRAMES), user_frames(frame)):
-        try:
-            namespace = frame_namespace(user)
-        except Exception:  # noqa: BLE001 - a frame we cannot read names nothing
-            continue
-        for name, value in namespace.items():
-            try:  # `isinstance` reads `__class__` through the object's own `__getattribute__`
-                if isinstance(value, torch.nn.Module):
-                    found.append((name, value))
-                elif name == "self" and not isinstance(value, torch.optim.Optimizer):
-                    found += [(f"self.{k}", v) for k, v in _attributes(value) if _is_module(v)]
-            except Exception:  # noqa: BLE001 - an object that refuses to be looked at holds nothing we name
-                continue
-    return found
-
-
-def _is_module(value: Any) -> bool:
-    import torch
-
-    try:
-        return isinstance(value, torch.nn.Module)
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def _attributes(obj: Any) -> list[tuple[str, Any]]:
-    """`obj`'s own attributes: its `__dict__` and its `__slots__`; what cannot be read is left out."""
-    found: list[tuple[str, Any]] = []
-    try:
-        own = object.__getattribute__(obj, "__dict__")
-        found += list(own.items()) if isinstance(own, dict) else []
-    except Exception:  # noqa: BLE001 - no `__dict__` (slots only), or one that refuses to be read
-        pass
-    try:
-        mro = type(obj).__mro__
-    except Exception:  # noqa: BLE001
-        return found
-    for cls in mro:
-        slots = cls.__dict__.get("__slots__", ())
-        for slot in (slots,) if isinstance(slots, str) else slots:
-            if slot in ("__dict__", "__weakref__"):
-                continue
-            try:
-                found.append((slot, getattr(obj, slot)))
-            except Exception:  # noqa: BLE001 - an empty slot, or a name-mangled one
-                continue
-    return found
 
 
 def _cannot_watch(obj: Any, exc: BaseException) -> None:
@@ -235,13 +168,9 @@ def exit_lines(kind: Kind, tag: str, watched: bool) -> list[str]:
     elif not watched:
         lines.append(f"{tag}: weights: no optimizer was made and no module loaded a state dict here, so no "
                      "weight was watched")
-    return lines
+    from kvguard._activate import weights_loads
 
-
-def _name_of(module: Any, frame: Any) -> str:
-    """How the caller's code names `module` (`model`, `self.rollout_model`); else its class."""
-    return next((name for name, value in _candidates(frame) if value is module and name != "self"),
-                type(module).__name__)
+    return lines + weights_loads.exit_lines(tag)
 
 
 def _holders(optimizer: Any, frame: Any, groups: Optional[list[int]] = None

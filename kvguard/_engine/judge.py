@@ -186,6 +186,12 @@ class WriteJudge:
                 why = OVERLAP_DIFF.format(read=_placed(read[overlap[1]]), written=_placed(written[overlap[0]]))
                 notes.update((id(e), (SELF_OVERLAP, why)) for e in hit)
             notes.update(self._reduced_twice(func, site, hit, shared))
+        # The set's own findings on these entries (a weights set's written_twice), and their fixes.
+        fixes: dict[int, str] = {}
+        own = getattr(protected, "findings", None)
+        if own is not None:
+            own_notes, fixes = own(hit)
+            notes.update(own_notes)
         drifted = protected.drifted(hit) if not capturing else []
         for entry in drifted:  # changed since the last look, by nothing we saw:
             self.on_event(unobserved_event(entry, protected.tensor_of(entry), site, DRIFT_DIFF,
@@ -195,7 +201,7 @@ class WriteJudge:
                 self.on_event(self._event(func, _kind(facts, entry, counter_only, aliased, notes), entry, site,
                                           blocked=True, alias=aliased.get(id(entry)),
                                           unversioned=id(entry) in unversioned, shared=shared[id(entry)],
-                                          note=notes.get(id(entry))), not stop)
+                                          note=notes.get(id(entry)), fix=fixes.get(id(entry), "")), not stop)
             if not stop:
                 return None
             # The callback chose not to stop the write: fall through and report it.
@@ -247,7 +253,7 @@ class WriteJudge:
                 self.on_event(self._event(func, _kind(facts, entry, counter_only, aliased, notes), entry, site,
                                           blocked=True, alias=aliased.get(id(entry)),
                                           unversioned=id(entry) in unversioned, shared=shared[id(entry)],
-                                          note=notes.get(id(entry))), True)
+                                          note=notes.get(id(entry)), fix=fixes.get(id(entry), "")), True)
         return PendingWrite(after, stopped)
 
     def _reduced_twice(self, func: Any, site: _frames.Site, hit: list[Entry],
@@ -351,13 +357,14 @@ class WriteJudge:
                before_meta: Optional[str] = None, copy: Optional[_Copy] = None,
                alias: Optional[tuple[int, int]] = None, unversioned: bool = False,
                shared: tuple[str, ...] = (), note: Optional[tuple[str, str]] = None,
-               read_when: str = "") -> MutationEvent:
+               read_when: str = "", fix: str = "") -> MutationEvent:
         """The event for one protected entry; its summaries never raise (see `diff`).
 
         `alias`: (elements changed, elements named) of a write into an entry whose elements
         share memory (kind "alias"). `shared`: the other paths to the memory written. `note`:
         (kind, why) of a finding of this module's own (`reduced_twice`, `self_overlap`).
-        `read_when`: a collective's values read with no `wait()` seen (where)."""
+        `read_when`: a collective's values read with no `wait()` seen (where). `fix`: the hint of a
+        stopped write, where the set gave one of its own (`findings`)."""
         tensor = self.protected.tensor_of(entry)
         described = _describe(tensor)
         if _tensors.capturing():
@@ -402,7 +409,7 @@ class WriteJudge:
             filename=site.filename, lineno=site.lineno, code=site.code, function=site.function,
             placed_at=entry.placed_at, tensor=described, before=before, after=after, diff=diff,
             aliases=shared or tuple(entry.aliases), detached=entry.detached,
-            hint=_hints.hint(func, site.code, self.protected.holds_weights) if blocked else "",
+            hint=(fix or _hints.hint(func, site.code, self.protected.holds_weights)) if blocked else "",
             unversioned=unversioned,
         )
         self.protected.note(entry, f"{event.op} at {event.site} ({event.code})"
@@ -468,7 +475,7 @@ def _kind(facts: _ops.OpFacts, entry: Entry, counter_only: frozenset[int],
     return "alias" if id(entry) in aliased else facts.kind
 
 
-_VALUE_KINDS = ("write", "alias", REDUCED_TWICE, SELF_OVERLAP)  # kinds whose events compare values
+_VALUE_KINDS = ("write", "alias", REDUCED_TWICE, SELF_OVERLAP, "written_twice")  # kinds whose events compare values
 
 
 def _placed(t: torch.Tensor) -> str:

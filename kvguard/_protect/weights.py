@@ -5,7 +5,9 @@ Every parameter and buffer of the guarded modules, named as `named_parameters()`
 again at each boundary (a parameter replaced or added), and held for as long as a module,
 or an optimizer that holds them (`holder`), does. Writes a trainer means are not reported:
 an optimizer's step (`weights_steps`, the set's lowest layer), and what the writing op's
-stack shows to be a module's own (`weights_writers`, its middle layer).
+stack shows to be a module's own, a load's included (`weights_writers`, its top layer
+below this one). What a rollout engine receives for its weights is protected beside them
+(`weights_received`, the layer between).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class ModuleSet(IntendedWritesSet):
         found: list[tuple[str, torch.Tensor, Optional[torch.nn.Module]]] = []
         seen: set[int] = set()
         modules: set[int] = set()
+        tied: set[int] = set()  # a tensor held under two names (a tied embedding)
         for name, ref, _ in self._roots:
             root = ref()
             if not isinstance(root, torch.nn.Module):
@@ -66,16 +69,21 @@ class ModuleSet(IntendedWritesSet):
                     if id(param) not in seen:
                         seen.add(id(param))
                         found.append((f"{prefix}.{pname}", param, module if own_params else None))
+                    else:
+                        tied.add(id(param))
                 for bname, buf in module.named_buffers(recurse=False):
                     if buf is not None and id(buf) not in seen:
                         seen.add(id(buf))
                         found.append((f"{prefix}.{bname}", buf, module))
+                    elif buf is not None:
+                        tied.add(id(buf))
         for path, loose, _ in self._loose:
             tensor = loose()
             if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
                 seen.add(id(tensor))
                 found.append((path, tensor, None))
         self._guarded_modules = modules
+        self._tied = tied
         return found
 
     def add(self, modules: Sequence[tuple[str, torch.nn.Module]], loose: Sequence[tuple[str, torch.Tensor]] = (),
@@ -126,7 +134,7 @@ class ModuleSet(IntendedWritesSet):
         self._drop_dead()
         named = self._named_tensors()
         entries = self._entries
-        kept = {id(t) for _, t, _ in named}
+        kept = {id(t) for _, t, _ in named} | self._received_ids()  # what a load was handed stays too
         for key in [k for k in entries if k not in kept]:  # a parameter the module no longer holds
             self._owner.pop(id(entries.pop(key)), None)
         new = [(path, t, owner) for path, t, owner in named

@@ -1,6 +1,11 @@
 """The writes to a model's weights that a trainer means, recognised from the writing op's stack.
 
-Not reported: inside `load_state_dict` of a guarded module (it exists to write weights); a
+Not reported: inside a load (`weights_loads`: `load_weights` and a rollout engine's
+weight-update entry points, entered by activation; `load_state_dict` of a guarded module,
+found on the stack), the writes to the weights of the modules it loads, except one to an
+element the same load wrote already (`written_twice`: it overwrites what the load just
+loaded; a tensor the module holds under two names, a tied embedding, is written once per
+name and is no such write); a
 module's own `forward` updating its own buffers (batch norm's running statistics), or its
 forward hooks doing so (the classic `spectral_norm`'s `weight_u`, `weight_v`); one of
 torch.nn's modules updating its own parameters (an Embedding with `max_norm`);
@@ -13,6 +18,7 @@ first (`_settle`), as a finding of its own.
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 import weakref
@@ -24,19 +30,29 @@ from kvguard._protect import digest as _digest
 from kvguard._protect.collector import collector_paused
 from kvguard._protect.contract import Added
 from kvguard._protect.entries import Change, Entry
+from kvguard._protect import frames as _frames
+from kvguard._protect import weights_loads as _loads
 from kvguard._protect.records import Record
-from kvguard._protect.weights_steps import SteppingSet
+from kvguard._protect.weights_received import ReceivedSet
+from kvguard._report.events import WRITTEN_TWICE, EventKind
+from kvguard._torch import patches as _patches
 from kvguard._torch import tensors as _tensors
 from kvguard._torch import training as _training
 
 # Functions whose writes to a guarded module's weights are its own (any module of the guarded tree).
 _LOADING = frozenset({"load_state_dict", "_load_from_state_dict", "load_weights"})  # torch's, vLLM's
+_STATE_DICT = frozenset({"load_state_dict", "_load_from_state_dict"})
+TWICE_DIFF = ("{load} wrote these elements already ({first}); this write overwrites what the load had just "
+              "loaded")
+TWICE_FIX = ("a load writes each weight once: do not copy back what was saved before it (a buffer that views a "
+             "weight is stale then); a post-load transform meant to rewrite the weights goes in a kvguard.allow('why') "
+             "block")
 # How far up from the judge `_own_write` looks for the writing module's `forward` (the hook's
 # own frames, then the op's callers: torch.nn.functional.batch_norm, BatchNorm's forward).
 _OWN_DEPTH = 12
 
 
-class IntendedWritesSet(SteppingSet):
+class IntendedWritesSet(ReceivedSet):
     """A stepping set that lets through the writes its modules' own code means (`weights.ModuleSet`'s middle layer)."""
 
     def __init__(self, name: str, fingerprint: bool) -> None:
@@ -57,7 +73,15 @@ class IntendedWritesSet(SteppingSet):
         # the memory index or the whole stack (None: made again at the next write, from the index).
         self._own_writes: Optional[dict[int, tuple[Entry, int]]] = None
         self._own_groups: dict[int, tuple[weakref.ref[torch.nn.Module], list[Entry]]] = {}
+        # ids of the tensors a guarded module holds under several names (a tied embedding): a load
+        # writes them once per name
+        self._tied: set[int] = set()
+        # id(entry) -> (kind, why) of the findings of this set's own in the writes just judged
+        # (`written_twice`), read once by the judge (`findings`)
+        self._notes: dict[int, tuple[EventKind, str]] = {}
         super().__init__(name, fingerprint)
+        # A load_state_dict's writes are one load until its outermost call returns.
+        self._unlisten_loads = _patches.on_load_state_dict(_loads.state_dict_loaded)
 
     def _root_modules(self) -> list[torch.nn.Module]:
         """The guarded modules, each the root of a tree (`weights.ModuleSet`'s)."""
@@ -84,10 +108,40 @@ class IntendedWritesSet(SteppingSet):
             hit = [e for e in hit if not self._stepping(e)]
         if not hit:
             return hit
-        intended = self._intended(hit, sys._getframe(1))
+        intended, load = self._intended(hit, sys._getframe(1))
+        if load is not None and intended and kind == "write":
+            twice = self._written_twice(load, intended, written)
+            if twice:
+                intended = [e for e in intended if e not in twice]
         if intended:
             self._settle(intended)
         return [e for e in hit if e not in intended]
+
+    def _written_twice(self, load: _loads.Load, intended: list[Entry], written: Sequence[torch.Tensor]) -> list[Entry]:
+        """Of the entries `load` writes now, those whose elements it wrote already; each noted as a
+        `written_twice` finding for the judge (`findings`). A tied tensor is written once per name."""
+        here = _frames.first_user_line(sys._getframe(2))
+        where = f"{os.path.basename(here[0])}:{here[1]}" if here is not None else "?"
+        first = load.wrote(written, where)
+        if first is None:
+            return []
+        twice = [e for e in intended if id(e.ref()) not in self._tied]
+        why = TWICE_DIFF.format(load=load.said, first=f"at {first}" if first != where else "at this line")
+        for entry in twice:
+            self._notes[id(entry)] = (WRITTEN_TWICE, why)
+        return twice
+
+    def findings(self, hit: Sequence[Entry]) -> tuple[dict[int, tuple[EventKind, str]], dict[int, str]]:
+        """The judge asks, for the entries a write hit: this set's own findings on them (kind, why),
+        and the fix a stopped write's hint says, by entry."""
+        found, fixes = super().findings(hit)
+        notes = self._notes
+        for entry in hit:
+            note = notes.pop(id(entry), None)
+            if note is not None:
+                found[id(entry)] = note
+                fixes[id(entry)] = TWICE_FIX
+        return found, fixes
 
     def _settle(self, intended: Sequence[Entry] = ()) -> None:
         """The intended writes looked at so far are done: their entries' digests start again from
@@ -235,7 +289,22 @@ class IntendedWritesSet(SteppingSet):
         self._own_writes, self._own_groups = found, groups
         return found
 
-    def _intended(self, hit: list[Entry], frame: Optional[types.FrameType]) -> list[Entry]:
+    def _intended(self, hit: list[Entry], frame: Optional[types.FrameType]
+                  ) -> tuple[list[Entry], Optional[_loads.Load]]:
+        """The entries of `hit` that the code running owns the right to write, and the load they
+        belong to (if a load writes them). A received tensor is never a write meant."""
+        weights = [e for e in hit if not self.is_received(e)]
+        load = _loads.current()
+        if load is not None:  # a load runs on this thread: its writes to what it loads are its own
+            own = [e for e in weights if load.covers(e.ref())]
+            if len(own) == len(weights):
+                return own, load
+            rest, _ = self._intended_on_stack([e for e in weights if e not in own], frame)
+            return own + rest, load
+        return self._intended_on_stack(weights, frame)
+
+    def _intended_on_stack(self, hit: list[Entry], frame: Optional[types.FrameType]
+                           ) -> tuple[list[Entry], Optional[_loads.Load]]:
         """The entries of `hit` that the code on the stack owns the right to write."""
         from torch.nn.parallel import DistributedDataParallel
 
@@ -249,11 +318,12 @@ class IntendedWritesSet(SteppingSet):
                 owner = frame.f_locals.get("self")
                 name = code.co_name
                 if id(owner) in modules and name in _LOADING:
-                    return hit  # load_state_dict of a guarded module: every write is its own
+                    # load_state_dict of a guarded module: every write is its own, one load till it returns
+                    return hit, (self._state_dict_load(frame) if name in _STATE_DICT else None)
                 if id(owner) in modules and name == "_apply" and _is_conversion(frame):
-                    return hit  # a conversion (`to`, `half`) re-points with `.data =`; `converting` follows
+                    return hit, None  # a conversion (`to`, `half`) re-points with `.data =`; `converting` follows
                 if issubclass(type(owner), DistributedDataParallel) and id(getattr(owner, "module", None)) in modules:
-                    return hit  # DDP's broadcast of the module's buffers and parameters
+                    return hit, None  # DDP's broadcast of the module's buffers and parameters
                 if name == "forward" and owner is not None:
                     own = _own_buffers(owner)
                     intended += [e for e in hit if e not in intended and (owners.get(id(e)) is owner or any(
@@ -262,7 +332,32 @@ class IntendedWritesSet(SteppingSet):
                     intended += [e for e in hit if e not in intended and owners.get(id(e)) is owner
                                  and not isinstance(e.ref(), torch.nn.Parameter)]
             frame = frame.f_back
-        return intended
+        return intended, None
+
+    def _state_dict_load(self, frame: Optional[types.FrameType]) -> _loads.Load:
+        """The load of the outermost `load_state_dict` of a guarded module running from `frame` outwards."""
+        outer: Optional[tuple[torch.nn.Module, types.FrameType]] = None
+        modules = self._guarded_modules
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name == "load_state_dict" and code.co_argcount and code.co_varnames[0] == "self":
+                owner = frame.f_locals.get("self")
+                if id(owner) in modules and issubclass(type(owner), torch.nn.Module):
+                    outer = (owner, frame)  # type: ignore[assignment]  # a Module, by the check above
+            frame = frame.f_back
+        if outer is None:
+            return _loads.state_dict_load(torch.nn.Module(), _frames.UNKNOWN_SITE, 0)
+        module, at = outer
+        caller = next(_frames.user_frames(at.f_back), None)
+        return _loads.state_dict_load(module, _frames.site_of(caller), id(at))
+
+    def load_ended(self, load: _loads.Load) -> None:
+        """A load is over: the weights it wrote are placed there (a stray write later names it)."""
+        super().load_ended(load)
+        placed = f"{load.site.short} (loaded by {load.what})"
+        for entry in list(self._entries.values()):
+            if not self.is_received(entry) and entry.placed_at != placed and load.covers(entry.ref()):
+                entry.placed_at = placed
 
     def converting(self, module: torch.nn.Module, fn: object) -> Callable[[], list[Change]]:
         """`module._apply(fn)` starts; returns what to call once it is done, which says what changed.
@@ -325,9 +420,11 @@ class IntendedWritesSet(SteppingSet):
         return [e for e in self._entries.values() if id(e.ref()) in tensors]
 
     def close(self) -> None:
+        self._unlisten_loads()
         self._pending.clear()
         self._early = []
         self._owner.clear()
+        self._notes.clear()
         super().close()
 
 

@@ -12,13 +12,14 @@ from kvguard._text import plural
 # What an event found, one word each; `MutationEvent`'s docstring says what each means, and
 # docs/reports.md's list is tested against this one (tests/test_docs.py).
 EventKind = Literal["write", "metadata", "repoint", "unobserved", "version", "alias", "reduced_twice",
-                    "self_overlap"]
+                    "self_overlap", "written_twice"]
 EVENT_KINDS: tuple[EventKind, ...] = get_args(EventKind)
 REDUCED_TWICE: EventKind = "reduced_twice"  # the kinds named in code elsewhere (kvguard._engine.judge finds them)
 SELF_OVERLAP: EventKind = "self_overlap"
+WRITTEN_TWICE: EventKind = "written_twice"  # kvguard._protect.weights_writers finds it, in a load of weights
 # Reported even where the path is allowed (`allow=`), as only a `kvguard.allow` block allows
 # them: the write is meant, how it lands is not.
-REPORTED_WHEN_ALLOWED: frozenset[EventKind] = frozenset({"alias", REDUCED_TWICE, SELF_OVERLAP})
+REPORTED_WHEN_ALLOWED: frozenset[EventKind] = frozenset({"alias", REDUCED_TWICE, SELF_OVERLAP, WRITTEN_TWICE})
 
 @dataclasses.dataclass(frozen=True)
 class MutationEvent:
@@ -29,11 +30,13 @@ class MutationEvent:
         ev.path       "rollout_data['kl'][0]"
         ev.op         "aten.mul_.Tensor"
         ev.kind       "write" | "metadata" | "repoint" | "unobserved" | "version" | "alias"
-                      | "reduced_twice" | "self_overlap"
+                      | "reduced_twice" | "self_overlap" | "written_twice"
                       ("version": a tensor autograd saved, whose version counter alone the write bumps;
                       "reduced_twice": a reduction reaching memory held under several paths a second time
                       at one line in one guarded call; "self_overlap": an op reading elements of the
-                      memory it writes, shifted: `x[:, 1:].copy_(x[:, :-1])`)
+                      memory it writes, shifted: `x[:, 1:].copy_(x[:, :-1])`; "written_twice": a weight
+                      element written a second time within one load, overwriting what that load had
+                      just loaded)
         ev.filename   "/src/loss.py";  ev.lineno 212;  ev.code "k *= kl_coef"
         ev.placed_at  "loss.py:201" (None when the tensor was there before the guard began)
     """
@@ -87,6 +90,7 @@ class MutationEvent:
             "repoint": "re-pointed to other memory",
             "alias": "modified in place through elements that share memory",
             REDUCED_TWICE: "reduced in place a second time",
+            WRITTEN_TWICE: "written a second time in one load",
         }.get(self.kind, "modified in place")
         path = self.path
         if self.aliases:  # one memory under several paths: said in the first line, whatever the action
@@ -161,12 +165,12 @@ def event_details(ev: MutationEvent) -> list[tuple[str, str]]:
                      SAVED_DATA if ev.op == "Tensor.data assignment" else
                      SAVED_UNVERSIONED if ev.unversioned else SAVED_WRITE))
     if ev.blocked and ev.kind in REPORTED_WHEN_ALLOWED:
-        rows.append(("shared" if ev.kind == "alias" else "reduced" if ev.kind == REDUCED_TWICE else "overlap",
-                     ev.diff))
+        rows.append(("shared" if ev.kind == "alias" else "reduced" if ev.kind == REDUCED_TWICE else
+                     "load" if ev.kind == WRITTEN_TWICE else "overlap", ev.diff))
     if ev.blocked:
         rows += [("values", ev.before), ("action", "raised before the write; the data is intact"),
                  ("hint", ev.hint or HINT)]
-    elif ev.kind in ("write", "version", "alias", REDUCED_TWICE, SELF_OVERLAP):
+    elif ev.kind in ("write", "version", "alias", REDUCED_TWICE, SELF_OVERLAP, WRITTEN_TWICE):
         rows += [("before", ev.before), ("after", ev.after or ""), ("changed", ev.diff)]
     else:
         rows += [("before", ev.before), ("after", ev.after or ""), ("note", ev.diff)]

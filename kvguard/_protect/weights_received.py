@@ -1,0 +1,326 @@
+"""What a rollout engine receives for its weights, protected from the moment it is received.
+
+A layer of a model's weights set (`weights.ModuleSet`), below the writes a trainer means
+(`weights_writers`). Three kinds of entries join the weights, none fingerprinted (their
+writers are receives: only ops are judged) and none counted among the weights:
+
+- **handed**: a tensor a load was handed: yielded by the weights iterator given to
+  `load_weights` (activation wraps it), or in the list of pairs given. Any write to it is
+  reported until the load has *consumed* it: the load's consumer asked its iterator for
+  the next item (a `for` loop over it: the one before is done with), or the load ended. A
+  consumer that keeps what it takes (`dict(weights)`, `list(weights)`, a comprehension)
+  consumes nothing before the load ends.
+- **buffer**: a receive buffer: the tensor a receive collective (`broadcast`, `recv`,
+  `all_gather`, ...) filled, one rebuilt from a CUDA IPC handle, or the tensor the views
+  handed to a load are views of. A write to it is a *refill*; it is never reported itself.
+- **held**: a view of a receive buffer found *held* at a refill: handed and not yet
+  consumed, or kept somewhere the running code may still read it: in a variable live at
+  its frame's current instruction (`liveness`), or in a dict, list, tuple, set, or an
+  object's attributes such a variable holds (a bounded walk), on the refilling thread's
+  stack. A loop variable that a finished loop left bound is not a use. Each such view is
+  reported at the refill (under `raise`, before it lands), named by where it is held
+  (`pending['lora_A']`) and placed at the statement that put it there, with the receive.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+import weakref
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence, cast
+
+import torch
+
+from kvguard._protect import frames as _frames
+from kvguard._protect import geometry as _geometry
+from kvguard._protect import liveness as _liveness
+from kvguard._protect import tree as _tree
+from kvguard._protect import weights_loads as _loads
+from kvguard._protect.collector import collector_paused
+from kvguard._protect.entries import Change, Entry
+from kvguard._protect.weights_steps import SteppingSet
+from kvguard._torch import autograd as _autograd
+
+if TYPE_CHECKING:
+    from kvguard._protect.frames import Site
+    from kvguard._report.events import EventKind
+
+BUFFER, HANDED, HELD = "buffer", "handed", "held"
+RECEIVED_FIX = ("what a load is handed is the sender's until the load has consumed it: receive the next bucket into "
+                "another buffer, or clone (.clone()) what you keep past the next receive")
+_FRAMES = 24  # the refilling thread's frames searched for held views
+_DEPTH = 3  # containers below a variable searched
+_BUDGET = 20_000  # objects looked at per search, at most
+_ITEMS = 4_096  # items of one container looked at, at most
+
+
+class _Received:
+    """What one received entry is: its kind, the load it was handed to, and whether consumed."""
+
+    __slots__ = ("kind", "load", "consumed", "how")
+
+    def __init__(self, kind: str, load: Optional[weakref.ref[_loads.Load]], how: str) -> None:
+        self.kind = kind
+        self.load = load
+        self.consumed = False
+        self.how = how  # a buffer's receive: `dist.broadcast at recv.py:20`
+
+
+class ReceivedSet(SteppingSet):
+    """A stepping set that also protects what loads are handed and the buffers they receive into."""
+
+    def __init__(self, name: str, fingerprint: bool) -> None:
+        self._received: dict[int, tuple[Entry, _Received]] = {}  # id(entry) -> (entry, what it is)
+        self._loads: weakref.WeakSet[_loads.Load] = weakref.WeakSet()  # the loads handed something
+        self.loads_seen = 0  # how many
+        self.received_count = 0  # tensors protected as received (handed, or found held at a refill)
+        self.buffer_count = 0  # receive buffers watched for refills
+        super().__init__(name, fingerprint)
+        self._unlisten = _loads.listen(self)
+
+    # -- what activation tells (`weights_loads`) -------------------------------------------
+
+    def received(self, tensors: Sequence[torch.Tensor], how: str, site: Site) -> None:
+        """A receive filled `tensors` at `site`: the buffers they are are refilled from now on."""
+        self._buffers([t for t in tensors if isinstance(t, torch.Tensor)], f"{how} at {site.short}")
+
+    def hand_out(self, load: _loads.Load, items: Sequence[tuple[str, torch.Tensor]], where: str) -> None:
+        """`items` are handed to `load` now: protected until it has consumed them."""
+        new: list[tuple[str, torch.Tensor]] = []
+        views: list[torch.Tensor] = []
+        ref = weakref.ref(load)
+        for name, tensor in items:
+            known = self.entry_of(tensor)
+            if known is not None:
+                what = self._received.get(id(known))
+                if what is not None and what[1].kind != BUFFER:  # handed again: to this load now
+                    what[1].kind, what[1].load, what[1].consumed = HANDED, ref, False
+                continue  # a weight itself, or a buffer: judged as what it is
+            new.append((f"{load.what}[{name!r}]", tensor))
+            if _autograd.view_base(tensor) is not None:
+                views.append(tensor)
+        if new:
+            if load not in self._loads:
+                self._loads.add(load)
+                self.loads_seen += 1
+            placed = f"{where} (handed to {load.said})"
+            self._protect([(path, tensor, placed) for path, tensor in new], HANDED, ref, "")
+        if views:
+            self._buffers(views, f"views of it handed to {load.said}")
+
+    def consumed(self, load: _loads.Load) -> None:
+        for _, what in self._received.values():
+            if what.kind == HANDED and what.load is not None and what.load() is load:
+                what.consumed = True
+
+    def load_ended(self, load: _loads.Load) -> None:
+        """The load is over: what it was handed is let go (a view kept since is found at a refill)."""
+        done = [entry for entry, what in self._received.values()
+                if what.kind == HANDED and what.load is not None and what.load() in (load, None)]
+        if done:
+            for entry in done:
+                del self._received[id(entry)]
+            with collector_paused():
+                self._let_go(done)
+
+    # -- entries -------------------------------------------------------------------------
+
+    def _buffers(self, tensors: Sequence[torch.Tensor], how: str) -> None:
+        """Protect the buffers `tensors` are (their view bases) as receive buffers, once each."""
+        new: list[tuple[str, torch.Tensor, Optional[str]]] = []
+        seen: set[int] = set()
+        for tensor in tensors:
+            base = _root(tensor)
+            if id(base) in seen or self.entry_of(base) is not None:
+                continue
+            seen.add(id(base))
+            new.append((f"<receive buffer: {how}>", base, None))
+        if new:
+            self._protect(new, BUFFER, None, how)
+
+    def _protect(self, items: Sequence[tuple[str, torch.Tensor, Optional[str]]], kind: str,
+                 load: Optional[weakref.ref[_loads.Load]], how: str) -> list[Entry]:
+        """Entries for `items` (path, tensor, placed at) of `kind`, with no digest, published to the
+        write hook now."""
+        with collector_paused():
+            records = self._records_of([t for _, t, _ in items], digest=False)
+            added = []
+            for (path, tensor, placed), record in zip(items, records):
+                entry = self._entries[id(tensor)] = Entry(path, record, weakref.ref(tensor, self._on_death), placed)
+                self._received[id(entry)] = (entry, _Received(kind, load, how))
+                added.append(entry)
+            if kind != BUFFER:
+                self.received_count += len(added)
+            else:
+                self.buffer_count += len(added)
+            self._rebuild_index(added)
+        return added
+
+    def _received_ids(self) -> set[int]:
+        """ids of the tensors of received entries still alive (a rescan of the weights keeps them)."""
+        live = {}
+        for key, (entry, what) in list(self._received.items()):
+            tensor = entry.ref()
+            if tensor is None or self._entries.get(id(tensor)) is not entry:
+                del self._received[key]  # freed, or let go
+                continue
+            live[id(tensor)] = what
+        return set(live)
+
+    def is_received(self, entry: Entry) -> bool:
+        """Whether `entry` is a received tensor or a buffer, not a weight."""
+        return id(entry) in self._received
+
+    # -- the write path ----------------------------------------------------------------------
+
+    def written_entries(self, written: Sequence[torch.Tensor], kind: str, resizes: bool = False) -> list[Entry]:
+        hit = super().written_entries(written, kind, resizes)
+        if not hit or not self._received:
+            return hit
+        received = self._received
+        mine = [(e, received[id(e)][1]) for e in hit if id(e) in received]
+        if not mine:
+            return hit
+        refilled = [e for e, what in mine if what.kind == BUFFER]
+        found: list[Entry] = []
+        if refilled and kind == "write":
+            found = self._held_views(refilled, written, sys._getframe(1))
+        keep = {id(e) for e in found}
+        for entry, what in mine:
+            if what.kind == HANDED and not what.consumed:
+                keep.add(id(entry))  # handed and not yet consumed: any write is reported
+        rest = [e for e in hit if id(e) not in received or id(e) in keep]
+        return rest + [e for e in found if e not in rest]
+
+    def _held_views(self, buffers: list[Entry], written: Sequence[torch.Tensor],
+                    frame: Optional[types.FrameType]) -> list[Entry]:
+        """The views of the refilled `buffers` held at this refill (see the module docstring), each
+        an entry (made now where it is none yet)."""
+        frames = [f for _, f in zip(range(_FRAMES), _frames.user_frames(frame))]
+        skip = {id(t) for t in written}
+        skip.update(id(t) for e in buffers if (t := e.ref()) is not None)
+        how = "; ".join(dict.fromkeys(self._received[id(e)][1].how for e in buffers))
+        found: list[Entry] = []
+        new: list[tuple[str, torch.Tensor, _tree.Chain, int]] = []
+        for path, tensor, chain, depth in _held_tensors(frames, skip):
+            if not any(_overlap(tensor, w) for w in written):
+                continue
+            known = self.entry_of(tensor)
+            if known is not None:
+                what = self._received.get(id(known))
+                if what is not None and what[1].kind in (HANDED, HELD) and known not in found:
+                    found.append(known)  # handed (consumed, but kept), or held since an earlier refill
+                continue  # a weight is judged as one
+            if not any(t is tensor for _, t, _, _ in new):
+                new.append((path, tensor, chain, depth))
+        if new:
+            placements = _frames.Placements(frames)
+            made = []
+            for path, tensor, chain, depth in new:
+                at = placements.placed_at(chain, tensor) if chain else (
+                    f"{_frames.site_of(frames[depth]).short}, held by {path}")
+                made.append((path, tensor, f"{at} (a view of the receive buffer: {how})"))
+            found += self._protect(made, HELD, None, how)
+        return found
+
+    def findings(self, hit: Sequence[Entry]) -> tuple[dict[int, tuple[EventKind, str]], dict[int, str]]:
+        """The judge asks: this set's own findings on the entries a write hit (none at this layer) and
+        the fix a stopped write's hint says (a received tensor's)."""
+        received = self._received
+        return {}, {id(e): RECEIVED_FIX for e in hit if id(e) in received and received[id(e)][1].kind != BUFFER}
+
+    # -- no fingerprints: received tensors are judged by their ops only -------------------------
+
+    def _compare(self, live: list[tuple[Entry, torch.Tensor]]) -> tuple[list[Change], bool]:
+        received = self._received
+        return super()._compare([(e, t) for e, t in live if id(e) not in received])
+
+    def drifted(self, entries: list[Entry]) -> list[Entry]:
+        received = self._received
+        return super().drifted([e for e in entries if id(e) not in received])
+
+    def close(self) -> None:
+        self._unlisten()
+        self._received.clear()
+        super().close()
+
+
+def _root(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor `tensor` is a view of, through every level (itself if it is no view)."""
+    for _ in range(16):
+        base = _autograd.view_base(tensor)
+        if base is None:
+            break
+        tensor = base
+    return tensor
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return a.device == b.device and _geometry.elements_overlap(a, b)
+    except Exception:  # noqa: BLE001 - a layout it cannot read: not a view found
+        return False
+
+
+def _held_tensors(frames: list[types.FrameType], skip: set[int]
+                  ) -> Iterator[tuple[str, torch.Tensor, _tree.Chain, int]]:
+    """(path, tensor, chain from the variable's value down, index of the frame) of the tensors the
+    code on `frames` may still read: in live variables, and in the containers they hold."""
+    budget = [_BUDGET]
+    seen: set[int] = set(skip)
+    for depth, frame in enumerate(frames):
+        live = _liveness.live_names(frame)
+        try:
+            names = frame.f_locals if live is None else _frames.frame_names(frame, live)
+            values = list(names.items())
+        except Exception:  # noqa: BLE001 - a frame that cannot be read holds nothing we name
+            continue
+        for name, value in values:
+            yield from ((p, t, c, depth) for p, t, c in _walk(value, name, (), 0, seen, budget))
+            if budget[0] <= 0:
+                return
+
+
+def _walk(value: object, path: str, chain: _tree.Chain, level: int, seen: set[int],
+          budget: list[int]) -> Iterator[tuple[str, torch.Tensor, _tree.Chain]]:
+    if budget[0] <= 0 or id(value) in seen:
+        return
+    budget[0] -= 1
+    kind = type(value)  # `type()`: an object may refuse attribute reads (`__class__`)
+    if issubclass(kind, torch.Tensor):
+        seen.add(id(value))
+        yield path, cast(torch.Tensor, value), chain
+        return
+    if level >= _DEPTH or issubclass(kind, _OPAQUE):
+        return  # a module's weights are judged as weights
+    seen.add(id(value))
+    children: list[tuple[Optional[object], object]]  # (chain step, child); None: no step names it (a set)
+    try:
+        if issubclass(kind, dict):
+            children = list(dict.items(cast("dict[object, object]", value)))[:_ITEMS]
+        elif issubclass(kind, (list, tuple)):
+            children = [(i, v) for i, v in enumerate(cast("Sequence[object]", value)) if i < _ITEMS]
+        elif issubclass(kind, (set, frozenset)):
+            children = [(None, v) for v in list(cast("set[object]", value))[:_ITEMS]]
+        else:
+            own = object.__getattribute__(value, "__dict__")  # an object's own attributes (a worker's self)
+            if not isinstance(own, dict):
+                return
+            children = [(_tree.Attr(str(key)), v) for key, v in list(own.items())[:_ITEMS]]
+    except Exception:  # noqa: BLE001 - a container that refuses to be read holds nothing we name
+        return
+    for step, child in children:
+        text = "{…}" if step is None else _tree.step_text(step)
+        below = chain if step is None else chain + ((value, step),)
+        yield from _walk(child, path + text, below, level + 1, seen, budget)
+
+
+# What the walk does not look into: a module's weights are judged as weights; the rest holds no view.
+_OPAQUE = (torch.nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType, str, bytes, int,
+           float, complex, bool)
+
+
+if TYPE_CHECKING:
+    from kvguard._protect.contract import Protected
+
+    _meets: type[Protected] = ReceivedSet  # mypy checks the set against the contract here
