@@ -175,16 +175,16 @@ def test_the_exit_walks_only_what_was_placed(monkeypatch: pytest.MonkeyPatch) ->
 def test_a_list_placed_whole_is_searched_once_beside_stores_under_other_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     """`rd["kl"] = kl` beside `rd["returns"] = returns` (a list not placed yet): the other store's
     key is not the chain's, so no tensor of `kl` can get another answer: one search for all."""
-    from kvguard._protect import frames
+    from kvguard._protect import placements
 
     searches: list[int] = []
-    real = frames._placement_in_frame
+    real = placements._placement_in_frame
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         searches.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(frames, "_placement_in_frame", counted)
+    monkeypatch.setattr(placements, "_placement_in_frame", counted)
     rd: dict[str, Any] = {"values": [torch.ones(2) for _ in range(3)]}
     with kvguard.guard(rd, name="rd", action="record") as g:
         kl = [torch.ones(2) for _ in range(40)]

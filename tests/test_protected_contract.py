@@ -60,7 +60,7 @@ def _made(make: Callable[[], Any]) -> Any:
 
 def test_the_contract_names_what_the_guard_the_judge_and_the_engines_use() -> None:
     assert {"written_entries", "publish", "boundary_changes", "values_only", "holds_weights", "unprotected",
-            "graphs", "steps", "on_index", "final", "attach_backend", "attach_hook"} <= set(MEMBERS)
+            "graphs", "steps", "on_index", "final", "attach_backend", "attach_hook", "findings"} <= set(MEMBERS)
     # Each capability has a plain guard's answer in `Capabilities`, and is a read-only member of the contract.
     for name in ("judges_uncounted", "values_only", "holds_weights", "counter_only", "graphs", "steps", "unprotected"):
         assert hasattr(Capabilities, name) and isinstance(MEMBERS[name], property), name

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvguard._protect.entries import Change, Entry
+    from kvguard._report.events import EventKind
 
 # What one look protected, as a set tells its engine (`on_index`) and the engine hands back
 # (`publish`, `holds_inference`): the new entries; None: the protected memory changed otherwise.
@@ -80,6 +81,11 @@ class Capabilities:
         """The write-hook engine this set's guard is attached to (None: detached). Only a set that
         has the hook admit a known batch of writes (an optimizer step's) keeps it."""
 
+    def findings(self, hit: Sequence[Entry]) -> tuple[dict[int, tuple[EventKind, str]], dict[int, str]]:
+        """The set's own findings on the entries a write hit, (kind, why) by entry id, and the fix a
+        stopped write's hint says, by entry id: none but a kind's (the weights' `written_twice`)."""
+        return {}, {}
+
 
 class Protected(Protocol):
     """What code outside `kvguard._protect` uses of a protected set (see the module docstring)."""
@@ -110,6 +116,8 @@ class Protected(Protocol):
     def attach_backend(self, backend: Optional[Publisher]) -> None: ...
 
     def attach_hook(self, hook: Optional[Hook]) -> None: ...
+
+    def findings(self, hit: Sequence[Entry]) -> tuple[dict[int, tuple[EventKind, str]], dict[int, str]]: ...
 
     # -- what the engines use: placements, and the memory they publish -------------------
 

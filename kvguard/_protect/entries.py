@@ -9,7 +9,6 @@ import torch
 from kvguard._protect import digest as _digest
 from kvguard._protect import geometry as _geometry
 from kvguard._protect import records as _records
-from kvguard._protect.records import DIGEST
 
 
 class Change(NamedTuple):
@@ -33,7 +32,7 @@ class Entry:
         self.ref = ref
         self.record = record
         self.placed_at = placed_at
-        self.digest: _digest.Digest = record[DIGEST]  # its values when last looked at (see `digest`)
+        self.digest: _digest.Digest = record.digest  # its values when last looked at (see `digest`)
         self.explained = False  # an op event reported a write since then
         self.aliases: tuple[str, ...] = ()  # other paths to the same tensor object
         self.detached = False  # no longer reachable from the guarded object

@@ -25,6 +25,7 @@ import torch
 
 from kvguard._protect import digest as _digest
 from kvguard._protect import frames as _frames
+from kvguard._protect import placements as _placements
 from kvguard._protect import geometry as _geometry
 from kvguard._protect import records as _records
 from kvguard._protect import tree as _tree
@@ -33,7 +34,6 @@ from kvguard._protect.contract import Added, Publisher
 from kvguard._protect.entries import Change, Entry
 from kvguard._protect.index import MemoryIndex, overlaps, storage_range
 from kvguard._protect.protected import ProtectedSet
-from kvguard._protect.records import DIGEST
 from kvguard._protect.watch import Found, Watcher
 from kvguard._torch import tensors as _tensors
 
@@ -108,7 +108,7 @@ class RowEntry(Entry):
         owner = self._owner
         if self.row in owner._py_digests:
             return owner._py_digests[self.row]
-        return owner._table.record(self.row)[DIGEST]
+        return owner._table.record(self.row).digest
 
     @digest.setter
     def digest(self, value: _digest.Digest) -> None:
@@ -206,7 +206,7 @@ class NativeSet(ProtectedSet):
         """Rows from `first` on were made for `found` (leaves and runs, every tensor new): keep
         their paths and placements, a run's as one (prefix, first row) for all its rows."""
         paths, placed = self._paths, self._placed
-        placements = _frames.Placements(frames) if frames is not None else None  # each frame read once
+        placements = _placements.Placements(frames) if frames is not None else None  # each frame read once
         row = first
         for item in found:
             if isinstance(item, _tree.Run):
@@ -246,7 +246,7 @@ class NativeSet(ProtectedSet):
                     continue
                 record = _records.describe([tensor], self._fingerprint, None)[0]
                 self._py_records[row] = record
-                self._py_digests[row] = record[DIGEST]
+                self._py_digests[row] = record.digest
                 python.append(self._entry(row))
                 if not _records.has_memory(record):
                     self._identity_rows = True
@@ -534,7 +534,7 @@ class NativeSet(ProtectedSet):
                 continue
             # As `ProtectedSet._compare`: a move whose values cannot be compared, before or now (a
             # storage freed with `resize_(0)` has no digest), is a change.
-            lost = old[DIGEST] is None or table.record(row)[DIGEST] is None
+            lost = old.digest is None or table.record(row).digest is None
             if not self._fingerprint or lost and row not in self._py_digests:
                 found.append(Change(self._entry(row), tensor, "memory", _records.layout_text(old),
                                     _records.tensor_text(tensor)))

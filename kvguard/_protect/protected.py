@@ -18,13 +18,13 @@ import torch
 
 from kvguard._protect import digest as _digest
 from kvguard._protect import frames as _frames
+from kvguard._protect import placements as _placements
 from kvguard._protect import records as _records
 from kvguard._protect import tree as _tree
 from kvguard._protect.collector import collector_paused
 from kvguard._protect.contract import Added, Capabilities, Protected, Publisher, SnapshotPairs
 from kvguard._protect.entries import Change, Entry, StrongRef
 from kvguard._protect.index import MemoryIndex
-from kvguard._protect.records import DIGEST, LAYOUT
 from kvguard._protect.watch import Watcher
 
 
@@ -234,7 +234,7 @@ class ProtectedSet(Capabilities):
         live = [(e, t) for e in entries if (t := e.ref()) is not None]
         moved = False
         for (entry, _), record in zip(live, self._records_of([t for _, t in live], digest=False)):
-            if record[LAYOUT] != entry.record[LAYOUT]:
+            if record.layout != entry.record.layout:
                 entry.record = record
                 moved = True
         if moved:
@@ -287,7 +287,7 @@ class ProtectedSet(Capabilities):
         """Protect newly reached tensors: their records (memory, layout, digest) in one batch."""
         records = self._records_of([leaf.tensor for leaf in leaves])
         on_death, entries = self._on_death, self._entries
-        placements = None if frames is None else _frames.Placements(frames)  # each frame read once
+        placements = None if frames is None else _placements.Placements(frames)  # each frame read once
         added = []
         at_entry = self._at_entry
         for leaf, record in zip(leaves, records):
@@ -374,14 +374,14 @@ class ProtectedSet(Capabilities):
     def _compare_records(self, live: list[tuple[Entry, torch.Tensor]],
                          records: list[_records.Record]) -> tuple[list[Change], bool]:
         """`_compare` with each live tensor's record read already."""
-        agrees = _digest.same_all([e.digest for e, _ in live], [r[DIGEST] for r in records])
+        agrees = _digest.same_all([e.digest for e, _ in live], [r.digest for r in records])
         found = []
         moved = False
         for (entry, tensor), record, same in zip(live, records, agrees):
-            digest = record[DIGEST]
+            digest = record.digest
             if not entry.explained and not same:
                 found.append(Change(entry, tensor, "values", entry.digest, digest))
-            if record[LAYOUT] != entry.record[LAYOUT]:
+            if record.layout != entry.record.layout:
                 if same and (entry.digest is None or digest is None):
                     found.append(Change(entry, tensor, "memory", _records.layout_text(entry.record),
                                         _records.tensor_text(tensor)))

@@ -34,6 +34,7 @@ import torch
 from kvguard._protect import frames as _frames
 from kvguard._protect import geometry as _geometry
 from kvguard._protect import liveness as _liveness
+from kvguard._protect import placements as _placements
 from kvguard._protect import tree as _tree
 from kvguard._protect import weights_loads as _loads
 from kvguard._protect.collector import collector_paused
@@ -214,7 +215,7 @@ class ReceivedSet(SteppingSet):
             if not any(t is tensor for _, t, _, _ in new):
                 new.append((path, tensor, chain, depth))
         if new:
-            placements = _frames.Placements(frames)
+            placements = _placements.Placements(frames)
             made = []
             for path, tensor, chain, depth in new:
                 at = placements.placed_at(chain, tensor) if chain else (
