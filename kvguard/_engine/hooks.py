@@ -80,15 +80,11 @@ class HookEngine:
             def on_index(added: Added) -> None:
                 self._push(added, judge)
             judge.protected.on_index = on_index
-            # A set that publishes what it protects itself, as it arrives (autograd's packs).
-            attach_backend = getattr(judge.protected, "attach_backend", None)
-            if attach_backend is not None:
-                attach_backend(self.backend)
-            # A set that admits a known batch of writes in C++ (an optimizer step's) and keeps
-            # what the other guards on this hook protect.
-            attach_hook = getattr(judge.protected, "attach_hook", None)
-            if attach_hook is not None:
-                attach_hook(self)
+            # A set that publishes what it protects itself, as it arrives (autograd's packs), keeps the
+            # backend; one that admits a known batch of writes in C++ (an optimizer step's) keeps the
+            # hook, with what the other guards on it protect. The others ignore both (the contract).
+            judge.protected.attach_backend(self.backend)
+            judge.protected.attach_hook(self)
             try:
                 if len(self.judges) == 1:
                     self.backend.set_callback(self._on_write)
@@ -104,12 +100,8 @@ class HookEngine:
             if judge in self.judges:
                 self.judges.remove(judge)
             judge.protected.on_index = None
-            attach_backend = getattr(judge.protected, "attach_backend", None)
-            if attach_backend is not None:
-                attach_backend(None)
-            attach_hook = getattr(judge.protected, "attach_hook", None)
-            if attach_hook is not None:
-                attach_hook(None)
+            judge.protected.attach_backend(None)
+            judge.protected.attach_hook(None)
             self._unwatch_inference(judge)
             self._threads.pop(id(judge), None)
             if not self.judges:

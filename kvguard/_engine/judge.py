@@ -187,11 +187,8 @@ class WriteJudge:
                 notes.update((id(e), (SELF_OVERLAP, why)) for e in hit)
             notes.update(self._reduced_twice(func, site, hit, shared))
         # The set's own findings on these entries (a weights set's written_twice), and their fixes.
-        fixes: dict[int, str] = {}
-        own = getattr(protected, "findings", None)
-        if own is not None:
-            own_notes, fixes = own(hit)
-            notes.update(own_notes)
+        own_notes, fixes = protected.findings(hit)
+        notes.update(own_notes)
         drifted = protected.drifted(hit) if not capturing else []
         for entry in drifted:  # changed since the last look, by nothing we saw:
             self.on_event(unobserved_event(entry, protected.tensor_of(entry), site, DRIFT_DIFF,
