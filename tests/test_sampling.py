@@ -178,3 +178,31 @@ def test_dataloader_workers_check_everything_they_load(tmp_path: Path) -> None:
     workers = [line for line in result.stderr.splitlines() if line.startswith("kvguard [DataLoader worker")]
     assert len(workers) == 6 and all("32 tensors returned by datasets protected" in line for line in workers), workers
     assert "(sampled 1 in 100: " in result.stderr
+
+
+def test_a_step_inside_other_saved_tensor_hooks_never_corrupts_their_stack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps taken inside `save_on_cpu`: ours are never pushed on top of theirs (their exit would pop
+    ours and leave theirs on for good); such an interval is counted unprotected, never clean."""
+    import torch
+
+    from kvguard._guard.autograd import AutogradGuard
+    from kvguard._guard.sampling import step_clock
+    from kvguard._torch import autograd as _autograd
+
+    monkeypatch.setenv("KVGUARD_SAMPLE", "1/4,seed=0,first=1")
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    clock = step_clock()
+    assert clock is not None
+    try:
+        with AutogradGuard(action="raise") as g:
+            g.follow_sample(clock)
+            for _ in range(40):
+                with torch.autograd.graph.save_on_cpu():
+                    model(torch.randn(2, 4)).sum().backward()
+                    opt.step()
+                assert _autograd.top_saved_tensors_pack() is None or g._hooks is not None
+    finally:
+        clock.close()
+    assert _autograd.top_saved_tensors_pack() is None  # nothing of anyone's left on the stack
+    assert g.unprotected > 0

@@ -106,9 +106,17 @@ class AutogradGuard(Guard):
             hooks.__exit__(None, None, None)
 
     def sample_in(self) -> None:
+        """Checked again: our hooks back on, unless other hooks are active now (a step inside
+        `save_on_cpu`): pushed on top of theirs, ours would be what their exit pops. That interval
+        is then counted unprotected (said at exit), and the next checked one tries again."""
         super().sample_in()
         if self._hooks is None and not self.delegated and self._outer is None and self._protected is not None \
                 and threading.get_ident() == self._thread:
+            from kvguard._torch import autograd as _autograd
+
+            if _autograd.top_saved_tensors_pack() is not None:
+                self._protected.unprotected += 1
+                return
             import torch
 
             self._hooks = torch.autograd.graph.saved_tensors_hooks(*self._protected.hooks())
