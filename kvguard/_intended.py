@@ -153,6 +153,30 @@ WRITERS: tuple[Writer, ...] = (
         "values, not a change to weights anyone trained",
         tested="2.13.0"),
     Writer(
+        "vLLM post-load transform", WEIGHTS, "vllm", ">=0.10,<1", "0.34.0",
+        ("vllm.model_executor.model_loader.utils:process_weights_after_loading(model)",
+         "vllm.model_executor.model_loader.weight_utils:finalize_model_weights(model)",
+         "vllm.model_executor.layers.quantization.*:*.process_weights_after_loading(layer)"),
+        "the weights of the model (or of the layer) just loaded, transformed in place into the form its kernels "
+        "read: quantized, repacked, transposed, rescaled (`process_weights_after_loading`, each quantization "
+        "method's own; `finalize_model_weights`, every module's own post-load hook), also inside a reload",
+        "vLLM loads checkpoint-format weights, then converts them for its kernels: a second write to what the "
+        "load just wrote, by design (`written_twice` inside a load, a write to watched weights after one)",
+    ),
+    Writer(
+        "sglang post-load transform", WEIGHTS, "sglang", ">=0.4,<1", "0.5.23",
+        ("sglang.srt.model_loader.loader:post_load_weights(model)",
+         "sglang.srt.model_loader.loader:*.postprocess_weights(model)",
+         "sglang.srt.model_loader.loader:*.restore_weights_before_loading(model)",
+         "sglang.srt.models.*:*.post_load_weights(self)",
+         "sglang.srt.layers.quantization.*:*.process_weights_after_loading(layer)",
+         "sglang.srt.layers.quantization.*:*.restore_weights_before_loading(layer)"),
+        "the model's (or the layer's) weights after a load: its post-load fix-ups, the quantization packing, and "
+        "undoing that packing before the next load",
+        "sglang packs weights for its kernels after each load and unpacks them before the next "
+        "(`WeightUpdater.begin_weight_update` / `end_weight_update`): writes to the weights by design",
+    ),
+    Writer(
         "torch.autograd.gradcheck perturbation", AUTOGRAD, "torch", ">=2.4,<3", "2.13.0",
         ("torch.autograd.gradcheck:_compute_numerical_gradient(entry)",),
         "each input element, through `.data`, while the analytical graph is alive; the original is copied back "

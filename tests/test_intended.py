@@ -243,7 +243,8 @@ def test_weights_writers_are_not_autograd_writers_and_the_reverse() -> None:
     assert {w.name for w in _intended.scopes("weights")} == {
         "peft LoRA merge", "peft LoRA initialisation from the base weights", "torch's initialisers",
         "transformers weight initialisation and embedding resize", "trl SyncRefModelCallback",
-        "torch parametrizations", "torch lazy modules' initialisation"}
+        "torch parametrizations", "torch lazy modules' initialisation", "vLLM post-load transform",
+        "sglang post-load transform"}
     assert {w.name for w in _intended.scopes("autograd")} == {"torch.autograd.gradcheck perturbation"}
 
 

@@ -16,6 +16,9 @@ vLLM 0.34.0 (the wheel on PyPI, vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl)
         a weight update's two ends; with layerwise reloading (the default) `finish_reload` loads
         what each layer buffered, runs `process_weights_after_loading` and copies the result into
         the tensors the CUDA graphs hold (`layerwise._copy_and_restore_kernel_tensors`)
+    vllm/model_executor/model_loader/reload/inplace.py  reload_weights(vllm_config, model, ...): one
+        reload, start_reload + model.load_weights + finish_reload (or, for kernel-format weights, a
+        copy into each parameter then finalize_model_weights)
     vllm/model_executor/model_loader/reload/layerwise.py  initialize_layerwise_reload(model),
         finalize_layerwise_reload(model, ...): the same, called directly by the weight-transfer engines
     vllm/v1/worker/gpu_worker.py  Worker.update_weights(self, update_info),
@@ -88,6 +91,10 @@ _UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater"
 _UPDATER_FILE = "sglang/srt/model_executor/model_runner_components/weight_updater.py"
 
 LOAD_POINTS: tuple[LoadPoint, ...] = (
+    LoadPoint("vllm.model_executor.model_loader.reload.inplace:reload_weights(model)", _VLLM,
+              "vllm/model_executor/model_loader/reload/inplace.py",
+              "reloads the model in place: start_reload, model.load_weights, finish_reload; or, for kernel-format "
+              "weights, a copy into each parameter then every module's post-load hook"),
     LoadPoint("vllm.model_executor.model_loader.reload.lifecycle:start_reload(model)", _VLLM,
               "vllm/model_executor/model_loader/reload/lifecycle.py",
               "begins a weight update: layerwise, each layer's weights are put on the meta device and its "

@@ -107,7 +107,7 @@ def _load_weights_wrapper(method: Callable[..., Any], argument: str) -> Callable
             return method(self, *args, **kwargs)
         _local.depth = depth + 1
         try:
-            if load is not None and outer:
+            if load is not None and depth == 0:  # the outermost load_weights: its weights are handed out
                 args, kwargs = _hand_weights(load, args, kwargs, argument, sys._getframe(1))
             return method(self, *args, **kwargs)
         finally:
@@ -311,16 +311,15 @@ def exit_lines(tag: str) -> list[str]:
     from kvguard._text import plural
 
     loads = {verb: n for verb, n in counts.items() if verb not in ("handed", "buffers")}
-    if not loads and not counts.get("buffers"):
-        return []
-    total = sum(loads.values())
-    by = ", ".join(f"{n} by {verb}" for verb, n in sorted(loads.items())) if len(loads) > 1 else \
-        ", ".join(loads)
-    text = f"{tag}: weights: {plural(total, 'load')} watched" + (f" ({by})" if by else "")
+    parts = []
+    if loads:
+        by = ", ".join(f"{n} by {verb}" for verb, n in sorted(loads.items())) if len(loads) > 1 else \
+            ", ".join(loads)
+        parts.append(f"{plural(sum(loads.values()), 'load')} watched ({by})")
     handed = counts.get("handed", 0)
     if handed:
-        text += f", {plural(handed, 'tensor')} handed to them protected until consumed"
+        parts.append(f"{plural(handed, 'tensor')} handed to them protected until consumed")
     buffers = counts.get("buffers", 0)
     if buffers:
-        text += f", {plural(buffers, 'receive buffer')} watched for refills"
-    return [text]
+        parts.append(f"{plural(buffers, 'receive buffer')} watched for refills")
+    return [f"{tag}: weights: {', '.join(parts)}"] if parts else []

@@ -4,8 +4,9 @@ Wrapped once torch is imported, in a process that has made no optimizer (a rollo
 worker, an inference server: a trainer's collectives are its own business):
 
 - the receiving collectives of `torch.distributed`: `broadcast` on a rank other than its
-  source, `recv`, `irecv`, `all_gather`, `all_gather_into_tensor`, `scatter`,
-  `all_to_all_single`, `all_to_all` (called from the user's code, not from inside torch);
+  source, `recv`, `irecv`, `all_gather`, `all_gather_into_tensor`, `all_gather_single`,
+  `scatter`, `all_to_all_single`, `all_to_all` (called from the user's code, not from inside
+  torch);
 - `torch.multiprocessing.reductions.rebuild_cuda_tensor`, which a CUDA IPC handle
   (`reduce_tensor(t)`, pickled and sent) rebuilds a tensor with.
 
@@ -32,7 +33,8 @@ _MARK = "__kvguard_receive__"
 # name -> (argument index, keyword) of what it receives into; a list of tensors for the all_* forms
 _RECEIVERS: dict[str, tuple[int, str]] = {
     "broadcast": (0, "tensor"), "recv": (0, "tensor"), "irecv": (0, "tensor"), "all_gather": (0, "tensor_list"),
-    "all_gather_into_tensor": (0, "output_tensor"), "scatter": (0, "tensor"), "all_to_all_single": (0, "output"),
+    "all_gather_into_tensor": (0, "output_tensor"), "all_gather_single": (0, "output_tensor"),
+    "scatter": (0, "tensor"), "all_to_all_single": (0, "output"),
     "all_to_all": (0, "output_tensor_list"),
 }
 

@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 BUFFER, HANDED, HELD = "buffer", "handed", "held"
 RECEIVED_FIX = ("what a load is handed is the sender's until the load has consumed it: receive the next bucket into "
                 "another buffer, or clone (.clone()) what you keep past the next receive")
+HELD_FIX = ("a view of a receive buffer changes when the buffer is refilled: keep a copy (.clone()) of what you hold "
+            "past the next receive, or receive into another buffer")
 _FRAMES = 24  # the refilling thread's frames searched for held views
 _DEPTH = 3  # containers below a variable searched
 _BUDGET = 20_000  # objects looked at per search, at most
@@ -75,7 +77,7 @@ class ReceivedSet(SteppingSet):
         self._loads: weakref.WeakSet[_loads.Load] = weakref.WeakSet()  # the loads handed something
         self.loads_seen = 0  # how many
         self.received_count = 0  # tensors protected as received (handed, or found held at a refill)
-        self.buffer_count = 0  # receive buffers watched for refills
+        self._storages: set[int] = set()  # the addresses of the receive buffers' memory, ever watched
         super().__init__(name, fingerprint)
         self._unlisten = _loads.listen(self)
 
@@ -153,9 +155,14 @@ class ReceivedSet(SteppingSet):
             if kind != BUFFER:
                 self.received_count += len(added)
             else:
-                self.buffer_count += len(added)
+                self._storages.update(_storage(t) for _, t, _ in items)
             self._rebuild_index(added)
         return added
+
+    @property
+    def buffer_count(self) -> int:
+        """The receive buffers watched for refills so far (by their memory: a flat bucket's views are one)."""
+        return len(self._storages)
 
     def _received_ids(self) -> set[int]:
         """ids of the tensors of received entries still alive (a rescan of the weights keeps them)."""
@@ -185,7 +192,10 @@ class ReceivedSet(SteppingSet):
         refilled = [e for e, what in mine if what.kind == BUFFER]
         found: list[Entry] = []
         if refilled and kind == "write":
-            found = self._held_views(refilled, written, sys._getframe(1))
+            try:
+                found = self._held_views(refilled, written, sys._getframe(1))
+            except Exception:  # noqa: BLE001 - the search never fails the user's write
+                found = []
         keep = {id(e) for e in found}
         for entry, what in mine:
             if what.kind == HANDED and not what.consumed:
@@ -228,7 +238,8 @@ class ReceivedSet(SteppingSet):
         """The judge asks: this set's own findings on the entries a write hit (none at this layer) and
         the fix a stopped write's hint says (a received tensor's)."""
         received = self._received
-        return {}, {id(e): RECEIVED_FIX for e in hit if id(e) in received and received[id(e)][1].kind != BUFFER}
+        return {}, {id(e): RECEIVED_FIX if received[id(e)][1].kind == HANDED else HELD_FIX for e in hit
+                    if id(e) in received and received[id(e)][1].kind != BUFFER}
 
     # -- no fingerprints: received tensors are judged by their ops only -------------------------
 
@@ -247,13 +258,22 @@ class ReceivedSet(SteppingSet):
 
 
 def _root(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor `tensor` is a view of, through every level (itself if it is no view)."""
+    """The tensor `tensor` is a view of, through every level (itself if it is no view). A view to
+    another dtype is no view to autograd: a flat bucket's `view(dtype)` slices are each their own
+    root, together covering the bucket."""
     for _ in range(16):
         base = _autograd.view_base(tensor)
         if base is None:
             break
         tensor = base
     return tensor
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except Exception:  # noqa: BLE001 - no storage (a subclass): counted as its own
+        return id(tensor)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
