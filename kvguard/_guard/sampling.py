@@ -76,7 +76,10 @@ class StepClock:
         self._listeners: list[Callable[[bool], None]] = []
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        self._handle = register_optimizer_step_post_hook(self._after_step)
+        from kvguard._torch import compiled as _compiled
+
+        # Run eagerly inside a `torch.compile`d step too: it detaches and attaches guards.
+        self._handle = register_optimizer_step_post_hook(_compiled.outside_dynamo(self._after_step))
 
     def _after_step(self, optimizer: object, args: object, kwargs: object) -> None:
         lead = self._lead() if self._lead is not None else None
