@@ -49,7 +49,8 @@ import sysconfig
 import tempfile
 import time
 import warnings
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -58,7 +59,7 @@ TARGETS = {"inplace": 1.0, "saved": 2.0, "step": 1.0}  # µs per event, issue 38
 # ── contenders ──────────────────────────────────────────────────────────────────────────────
 
 
-def _hook(name: Optional[str]) -> None:
+def _hook(name: str | None) -> None:
     """Leave exactly the write hook `name` installed (None: torch as it ships); untimed."""
     from kvguard._engine import choice as _choice
 
@@ -79,7 +80,7 @@ class Dataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
 
 @contextlib.contextmanager
-def kinds(words: tuple[str, ...], model: Optional[torch.nn.Module], optimizer: Any) -> Iterator[list[Any]]:
+def kinds(words: tuple[str, ...], model: torch.nn.Module | None, optimizer: Any) -> Iterator[list[Any]]:
     """The process-wide kinds' guards, entered as `KVGUARD_TARGETS=words` enters them."""
     from kvguard._guard.autograd import AutogradGuard
     from kvguard._guard.data import DataGuard
@@ -111,7 +112,7 @@ PyMODINIT_FUNC PyInit_kvguard_bench_identity(void) { return PyModule_Create(&mod
 """
 
 
-def c_identity() -> Optional[Callable[[Any], Any]]:
+def c_identity() -> Callable[[Any], Any] | None:
     """A METH_O identity in C (built once into a temporary directory): an empty saved-tensor hook with
     no Python frame. None without a C compiler."""
     where = os.path.join(tempfile.gettempdir(), f"kvguard-bench-identity-{sys.implementation.cache_tag}")
@@ -277,14 +278,14 @@ def _forked(enter: Callable[[], Any], run: Callable[[], float]) -> float:
 
 
 @contextlib.contextmanager
-def _with_hook(name: Optional[str], inner: Callable[[], Any] = contextlib.nullcontext) -> Iterator[None]:
+def _with_hook(name: str | None, inner: Callable[[], Any] = contextlib.nullcontext) -> Iterator[None]:
     _hook(name)
     with inner():
         yield
 
 
-def contenders(model: Optional[torch.nn.Module], optimizer: Any, words: list[str],
-               extra: Optional[dict[str, Callable[[], Any]]] = None) -> dict[str, Callable[[], Any]]:
+def contenders(model: torch.nn.Module | None, optimizer: Any, words: list[str],
+               extra: dict[str, Callable[[], Any]] | None = None) -> dict[str, Callable[[], Any]]:
     enter: dict[str, Callable[[], Any]] = {"off": lambda: _with_hook(None), "idle": lambda: _with_hook("compiled")}
     enter.update(extra or {})
     for word in words:

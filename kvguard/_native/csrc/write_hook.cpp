@@ -6,7 +6,9 @@
 // kvguard._torch lists (batch norm's running statistics when training, c10d's in-place
 // collectives). ADInplaceOrView is in the default TLS include
 // set and is where torch bumps version counters, so every in-place and `out=` call passes it;
-// ops that write nothing never reach this code. The kernel judges only the outermost writing
+// ops that write nothing never reach this code. For the ops training code writes most (see
+// FastKernel) the kernel is also registered unboxed, typed by ATen's signature of the op, so
+// that a write that needs no judging costs no boxing. The kernel judges only the outermost writing
 // op of a thread (a thread-local depth counter), checks the written tensors' storage byte
 // ranges against the protected intervals, and calls a Python callback only on a possible hit.
 // It then runs the kernel that was there before (stored at install time) or, where there was
@@ -35,6 +37,9 @@
 //     callback or after comes out of the op as itself; from watch or callback, before the
 //     write.
 //
+// Before each judged write the watch's containers are compared with their snapshots under the
+// GIL, unless every one of them was empty at its snapshot and still is (read without it).
+//
 // Caveats (see also the notes in kvguard/_native/build.py):
 //  - Ops registered after install() are hooked by hook_new() (kvguard calls it at a guard's
 //    entry; a dispatcher listener counts registrations, so it is free while there are none).
@@ -57,6 +62,7 @@
 #include <Python.h>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/boxing/impl/boxing.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DispatchKeySet.h>
 #include <c10/core/InferenceMode.h>
@@ -68,6 +74,42 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
+// the ops given unboxed kernels (FastKernel): their typed signatures
+#include <ATen/ops/add_ops.h>
+#include <ATen/ops/sub_ops.h>
+#include <ATen/ops/mul_ops.h>
+#include <ATen/ops/div_ops.h>
+#include <ATen/ops/addcmul_ops.h>
+#include <ATen/ops/addcdiv_ops.h>
+#include <ATen/ops/lerp_ops.h>
+#include <ATen/ops/copy_ops.h>
+#include <ATen/ops/zero_ops.h>
+#include <ATen/ops/fill_ops.h>
+#include <ATen/ops/masked_fill_ops.h>
+#include <ATen/ops/clamp_ops.h>
+#include <ATen/ops/clamp_min_ops.h>
+#include <ATen/ops/sqrt_ops.h>
+#include <ATen/ops/exp_ops.h>
+#include <ATen/ops/relu_ops.h>
+#include <ATen/ops/bernoulli_ops.h>
+#include <ATen/ops/uniform_ops.h>
+#include <ATen/ops/normal_ops.h>
+#include <ATen/ops/index_put_ops.h>
+#include <ATen/ops/_foreach_add_ops.h>
+#include <ATen/ops/_foreach_sub_ops.h>
+#include <ATen/ops/_foreach_mul_ops.h>
+#include <ATen/ops/_foreach_div_ops.h>
+#include <ATen/ops/_foreach_lerp_ops.h>
+#include <ATen/ops/_foreach_addcmul_ops.h>
+#include <ATen/ops/_foreach_addcdiv_ops.h>
+#include <ATen/ops/_foreach_sqrt_ops.h>
+#include <ATen/ops/_foreach_neg_ops.h>
+#include <ATen/ops/_foreach_maximum_ops.h>
+#include <ATen/ops/_foreach_zero_ops.h>
+#include <ATen/ops/_foreach_copy_ops.h>
+#include <ATen/ops/_fused_adamw_ops.h>
+#include <ATen/ops/_fused_adam_ops.h>
+#include <ATen/ops/_fused_sgd_ops.h>
 
 #include <structmember.h>
 
@@ -149,7 +191,94 @@ std::atomic<bool> g_send_all{false};
 std::atomic<bool> g_has_callback{false};
 std::atomic<bool> g_has_watch{false};
 std::atomic<uint64_t> g_writes{0};
-std::shared_ptr<const Protected> g_protected;  // std::atomic_load / std::atomic_store only
+std::shared_ptr<const Protected> g_protected;  // std::atomic_load / store_protected() only
+// What a writing op reads, without the lock std::atomic_load(shared_ptr) takes: the published
+// object's address, and how many threads are reading one (ReadProtected). A replaced object
+// is kept (g_retired) until a publication finds no reader: a reader counted before the new
+// address was stored may still hold the old one; one counted after reads the new one.
+std::atomic<const Protected*> g_protected_raw{nullptr};
+std::atomic<int64_t> g_protected_readers{0};
+auto* g_retired = new std::vector<std::shared_ptr<const Protected>>();  // with the GIL only
+
+// Counts a writing op's thread as a reader of what is published for the length of a check
+// (any thread, no GIL): nothing retired is freed until a publication finds none.
+struct Reading {
+  Reading() { g_protected_readers.fetch_add(1, std::memory_order_seq_cst); }
+  ~Reading() { g_protected_readers.fetch_sub(1, std::memory_order_release); }
+  Reading(const Reading&) = delete;
+  Reading& operator=(const Reading&) = delete;
+};
+
+// The published protected memory, held for one writing op's check.
+struct ReadProtected {
+  Reading reading;
+  const Protected* p = g_protected_raw.load(std::memory_order_seq_cst);
+};
+
+// The watch's containers when each of them was empty at its snapshot (autograd's and the data
+// guard's queues, a guarded dict that starts empty): then a writing op learns that nothing was
+// placed from their sizes alone, without taking the GIL (torch's bindings release it around an
+// op) and with no Python code. The snapshots' tuple is held (a reference) for as long as this
+// is, and released with the GIL when a publication retires it.
+struct Quiet {
+  PyObject* snapshots;                   // owned; released in ~Quiet, with the GIL
+  std::vector<std::pair<PyObject*, bool>> containers;  // (container, is a list) borrowed from it
+  ~Quiet() { Py_XDECREF(snapshots); }
+};
+std::atomic<const Quiet*> g_quiet_raw{nullptr};
+std::shared_ptr<const Quiet> g_quiet;  // with the GIL only
+auto* g_quiet_retired = new std::vector<std::shared_ptr<const Quiet>>();  // with the GIL only
+
+// Whether every watched container is still empty, read without the GIL; false: ask with it.
+// A size is one aligned word: a store to it on another thread is seen whole or not yet (as a
+// placement there may land just after the check with the GIL too); this thread's own
+// placements are always seen.
+bool watch_quiet() {
+  Reading reading;
+  const Quiet* quiet = g_quiet_raw.load(std::memory_order_seq_cst);
+  if (quiet == nullptr) return false;
+  for (const auto& [container, is_list] : quiet->containers) {
+    const Py_ssize_t n = is_list
+        ? __atomic_load_n(&reinterpret_cast<PyVarObject*>(container)->ob_size, __ATOMIC_RELAXED)
+        : __atomic_load_n(&reinterpret_cast<PyDictObject*>(container)->ma_used, __ATOMIC_RELAXED);
+    if (n != 0) return false;
+  }
+  return true;
+}
+
+// Makes `snapshots` (a tuple of (containers, held) pairs, or nullptr) the quiet form, where it
+// has one. With the GIL.
+void publish_quiet(PyObject* snapshots) {
+  std::shared_ptr<const Quiet> next;
+  if (snapshots != nullptr) {
+    auto quiet = std::make_shared<Quiet>();
+    bool empty = true;
+    for (Py_ssize_t i = 0; empty && i < PyTuple_GET_SIZE(snapshots); ++i) {
+      PyObject* pair = PyTuple_GET_ITEM(snapshots, i);
+      PyObject* containers = PyTuple_GET_ITEM(pair, 0);
+      empty = PyTuple_GET_SIZE(PyTuple_GET_ITEM(pair, 1)) == 0;
+      for (Py_ssize_t k = 0; empty && k < PyTuple_GET_SIZE(containers); ++k) {
+        PyObject* c = PyTuple_GET_ITEM(containers, k);
+        const bool list = PyList_CheckExact(c);
+        empty = list || PyDict_CheckExact(c);
+        if (empty) quiet->containers.emplace_back(c, list);
+      }
+    }
+    if (empty) {
+      Py_INCREF(snapshots);
+      quiet->snapshots = snapshots;
+      next = std::move(quiet);
+    } else {
+      quiet->containers.clear();
+      quiet->snapshots = nullptr;
+    }
+  }
+  g_quiet_raw.store(next.get(), std::memory_order_seq_cst);
+  std::shared_ptr<const Quiet> old = std::move(g_quiet);
+  g_quiet = std::move(next);
+  if (old != nullptr) g_quiet_retired->push_back(std::move(old));
+  if (g_protected_readers.load(std::memory_order_seq_cst) == 0) g_quiet_retired->clear();
+}
 PyObject* g_callback = nullptr;                 // GIL-protected, owned reference
 PyObject* g_watch = nullptr;                    // GIL-protected, owned reference
 PyObject* g_watch_snapshots = nullptr;          // GIL-protected, owned; nullptr: always call g_watch
@@ -158,6 +287,7 @@ PyObject* g_watch_snapshots = nullptr;          // GIL-protected, owned; nullptr
 // and never destroyed at exit: deregistering kernels during static destruction could run
 // after the dispatcher itself is gone.
 std::vector<std::unique_ptr<torch::Library>>* g_libraries = nullptr;
+std::vector<c10::RegistrationHandleRAII>* g_fast_handles = nullptr;  // the unboxed kernels' registrations
 std::vector<std::string>* g_hooked = nullptr;
 std::set<std::string>* g_seen = nullptr;  // every op name looked at by install() or hook_new()
 
@@ -519,17 +649,33 @@ struct HookKernel final : public c10::OperatorKernel {
       return;
     }
     DepthGuard depth;
+    if (!before_write()) {
+      call_original(op, ks, stack);
+      return;
+    }
+    const size_t base = stack->size() - num_args;
+    if (is_copy && is_self_copy((*stack)[base].toTensor(), (*stack)[base + 1].toTensor())) {
+      call_original(op, ks, stack);
+      return;
+    }
+    if (!may_hit([&](auto& f) { for_each_written(*stack, base, f); })) {
+      call_original(op, ks, stack);
+      return;
+    }
+    judge_and_run(op, ks, stack);
+  }
+
+  // What every judged write does first, on either calling convention (with a DepthGuard held):
+  // counted, then the watch (placements protected before the write); false where the write is
+  // not judged (a thread that never ran Python).
+  static bool before_write() {
     g_writes.fetch_add(1, std::memory_order_relaxed);
     // A thread that never ran Python (gloo's workers completing a collective, autograd's
     // device threads) has no Python caller to name: the op that queued the work was
     // judged where it was called, and a boundary check sees the rest. Not entering
     // Python there also keeps interpreter shutdown out of torch's own threads.
-    if (PyGILState_GetThisThreadState() == nullptr) {
-      call_original(op, ks, stack);
-      return;
-    }
-
-    if (g_has_watch.load(std::memory_order_relaxed) && python_alive()) {
+    if (PyGILState_GetThisThreadState() == nullptr) return false;
+    if (g_has_watch.load(std::memory_order_relaxed) && !watch_quiet() && python_alive()) {
       Gil gil;
       if (g_watch != nullptr && watched_changed()) {
         PyObject* watch = g_watch;
@@ -540,27 +686,32 @@ struct HookKernel final : public c10::OperatorKernel {
         Py_DECREF(r);
       }
     }
+    return true;
+  }
 
-    const size_t base = stack->size() - num_args;
-    if (is_copy && is_self_copy((*stack)[base].toTensor(), (*stack)[base + 1].toTensor())) {
-      call_original(op, ks, stack);
-      return;
-    }
-
+  // Whether some tensor the write reaches may be protected: Python must look. `each(f)` calls
+  // f(tensor) for every tensor the call writes.
+  template <class Each>
+  static bool may_hit(Each&& each) {
+    if (!g_has_callback.load(std::memory_order_relaxed)) return false;
     bool hit = false;
-    if (g_has_callback.load(std::memory_order_relaxed)) {
-      std::shared_ptr<const Protected> protected_;
-      const bool send_all = g_send_all.load(std::memory_order_relaxed);
-      if (!send_all) protected_ = std::atomic_load(&g_protected);
-      for_each_written(*stack, base, [&](const at::Tensor& t) {
-        if (!hit && (send_all || is_candidate(t, protected_.get()))) hit = true;
-      });
+    if (g_send_all.load(std::memory_order_relaxed)) {
+      auto any = [&](const at::Tensor&) { hit = true; };
+      each(any);
+    } else {
+      ReadProtected protected_;
+      auto check = [&](const at::Tensor& t) {
+        if (!hit && is_candidate(t, protected_.p)) hit = true;
+      };
+      each(check);
     }
-    if (!hit || !python_alive()) {
-      call_original(op, ks, stack);
-      return;
-    }
+    return hit && python_alive();
+  }
 
+  // A possible hit: Python's callback judges the write (and may stop it), the op runs, then
+  // what the callback asked to run after it. The boxed arguments are on `stack`.
+  void judge_and_run(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) const {
+    const size_t base = stack->size() - num_args;
     PyObject* after = nullptr;
     {
       Gil gil;
@@ -637,6 +788,200 @@ struct HookKernel final : public c10::OperatorKernel {
     }
   }
 };
+
+// ---- unboxed kernels for the common writing ops ---------------------------------------------
+// The kernel above is boxed: the dispatcher packs an op's arguments into a stack of IValues
+// to call it, and the original kernel unpacks them again, about 0.2 µs a writing op here
+// whether a guard is active or not (the sampled tier's unchecked steps, an optimizer's
+// for-loop step: six writes a parameter). For the ops training code writes with most (an
+// optimizer's, dropout's, a module's in-place activations, the foreach and fused optimizer
+// kernels) the kernel is registered unboxed too, typed by ATen's own signature of the op
+// (`at::_ops::<op>::schema`): it makes the same checks on the typed arguments and calls the
+// original kernel unboxed, boxing only for a possible hit (Python's judge works on the boxed
+// call, as before). The original is the kernel torch had on the key (its unboxed function,
+// read out of the SafeKernelFunction that getComputedKernelForDispatchKey returns, whose
+// token is still checked before each call), or a redispatch past the key where it had none.
+
+// SafeKernelFunction keeps the kernel (and its validity token) private; explicit template
+// instantiation may name private members (the standard's access rule does not apply there).
+template <class Tag, typename Tag::type Member>
+struct Expose {
+  friend typename Tag::type exposed(Tag) { return Member; }
+};
+struct SafeKernelOf {
+  using type = c10::KernelFunction c10::SafeKernelFunction::*;
+  friend type exposed(SafeKernelOf);
+};
+struct SafeTokenOf {
+  using type = std::shared_ptr<c10::KernelToken> c10::SafeKernelFunction::*;
+  friend type exposed(SafeTokenOf);
+};
+template struct Expose<SafeKernelOf, &c10::SafeKernelFunction::kernel_>;
+template struct Expose<SafeTokenOf, &c10::SafeKernelFunction::token_>;
+
+// Calls f(tensor) for each defined tensor an argument of this type holds (none for others).
+template <class T, class F>
+void each_typed_tensor(const T& value, F& f) {
+  using D = std::decay_t<T>;
+  if constexpr (std::is_same_v<D, at::Tensor>) {
+    if (value.defined()) f(value);
+  } else if constexpr (std::is_same_v<D, std::optional<at::Tensor>>) {
+    if (value.has_value() && value->defined()) f(*value);
+  } else if constexpr (std::is_same_v<D, at::TensorList>) {
+    for (const at::Tensor& t : value) {
+      if (t.defined()) f(t);
+    }
+  }
+}
+
+template <class T>
+constexpr bool is_typed_tensor() {
+  using D = std::decay_t<T>;
+  return std::is_same_v<D, at::Tensor> || std::is_same_v<D, std::optional<at::Tensor>> ||
+      std::is_same_v<D, at::TensorList>;
+}
+
+// A boxed entry into a HookKernel: its judge (`judge_and_run`) or its original kernel.
+struct BoxedEntry final : public c10::OperatorKernel {
+  const HookKernel* core;
+  bool judge;
+  BoxedEntry(const HookKernel* c, bool j) : core(c), judge(j) {}
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+    if (judge) {
+      core->judge_and_run(op, ks, stack);
+    } else {
+      core->call_original(op, ks, stack);
+    }
+  }
+};
+
+template <class Op, class Sig = typename Op::schema>
+struct FastKernel;
+
+template <class Op, class R, class... Args>
+struct FastKernel<Op, R(Args...)> final : public c10::OperatorKernel {
+  std::unique_ptr<HookKernel> core;  // the op's facts and its boxed judge
+  c10::OperatorHandle handle;
+  c10::KernelFunction original;       // the kernel torch had on the key (valid while `token` is)
+  std::shared_ptr<c10::KernelToken> token;  // none: there was none, redispatch past the key
+  c10::BoxedKernel judge_boxed, original_boxed;
+  uint64_t written_mask = 0;          // argument positions it writes
+
+  FastKernel(std::unique_ptr<HookKernel> c, const c10::OperatorHandle& op)
+      : core(std::move(c)), handle(op),
+        judge_boxed(c10::BoxedKernel::makeFromFunctor(std::make_unique<BoxedEntry>(core.get(), true))),
+        original_boxed(c10::BoxedKernel::makeFromFunctor(std::make_unique<BoxedEntry>(core.get(), false))) {
+    if (core->original.has_value()) {
+      original = (*core->original).*exposed(SafeKernelOf());
+      token = (*core->original).*exposed(SafeTokenOf());
+    }
+    for (const WrittenArg& arg : core->written) written_mask |= uint64_t(1) << arg.index;
+  }
+
+  // Whether the typed kernel serves `core`: every written argument a tensor argument of the
+  // signature, written on every call, and the schema the signature's.
+  static bool serves(const HookKernel& core, const c10::OperatorHandle& op) {
+    constexpr bool tensor_args[] = {is_typed_tensor<Args>()..., false};
+    if (op.schema().arguments().size() != sizeof...(Args) || core.late || core.inference_only) return false;
+    for (const WrittenArg& arg : core.written) {
+      if (arg.when >= 0 || arg.index >= sizeof...(Args) || arg.index >= 64 || !tensor_args[arg.index]) return false;
+    }
+    return !core.written.empty();
+  }
+
+  R run(c10::DispatchKeySet ks, Args... args) const {
+    if (token == nullptr) {
+      return Op::redispatch(ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, core->key),
+                            std::forward<Args>(args)...);
+    }
+    if (token->isValid()) return original.template call<R, Args...>(handle, ks, std::forward<Args>(args)...);
+    // torch dropped the kernel under ours: the boxed path says so (or redispatches)
+    return c10::impl::BoxedKernelWrapper<R(Args...)>::call(original_boxed, handle, ks, std::forward<Args>(args)...);
+  }
+
+  R operator()(c10::DispatchKeySet ks, Args... args) {
+    if (!g_enabled.load(std::memory_order_relaxed) || t_depth > 0) return run(ks, std::forward<Args>(args)...);
+    DepthGuard depth;
+    if (!HookKernel::before_write()) return run(ks, std::forward<Args>(args)...);
+    if (core->is_copy && self_copy(args...)) return run(ks, std::forward<Args>(args)...);
+    const uint64_t mask = written_mask;
+    auto each = [&](auto& f) {
+      size_t i = 0;
+      ((((mask >> i) & 1) ? each_typed_tensor(args, f) : void(), ++i), ...);
+    };
+    if (!HookKernel::may_hit(each)) return run(ks, std::forward<Args>(args)...);
+    return c10::impl::BoxedKernelWrapper<R(Args...)>::call(judge_boxed, handle, ks, std::forward<Args>(args)...);
+  }
+
+  template <class... Rest>
+  static bool self_copy(const at::Tensor& dst, const at::Tensor& src, const Rest&...) {
+    return is_self_copy(dst, src);
+  }
+  template <class... Rest>
+  static bool self_copy(const Rest&...) {
+    return false;
+  }
+};
+
+// "ns::name.overload" -> registers `core` for that op as a typed kernel; false where it cannot.
+using FastRegistration = bool (*)(std::unique_ptr<HookKernel>&, const c10::OperatorHandle&,
+                                  std::vector<c10::RegistrationHandleRAII>*);
+
+template <class Op>
+bool register_fast(std::unique_ptr<HookKernel>& core, const c10::OperatorHandle& op,
+                   std::vector<c10::RegistrationHandleRAII>* handles) {
+  using Kernel = FastKernel<Op>;
+  if (!Kernel::serves(*core, op)) return false;
+  const c10::OperatorName name = op.operator_name();
+  const c10::DispatchKey key = core->key;
+  auto kernel = std::make_unique<Kernel>(std::move(core), op);
+  handles->push_back(c10::Dispatcher::singleton().registerImpl(
+      name, key, c10::KernelFunction::makeFromUnboxedFunctor<false, Kernel>(std::move(kernel)),
+      c10::impl::CppSignature::make<typename Op::schema>(), nullptr, "kvguard write hook (unboxed)"));
+  return true;
+}
+
+template <class Op>
+std::pair<std::string, FastRegistration> fast_entry() {
+  const std::string overload(Op::overload_name);
+  return {std::string(Op::name) + "." + (overload.empty() ? std::string("default") : overload), &register_fast<Op>};
+}
+
+const std::map<std::string, FastRegistration>& fast_ops() {
+  static const auto* table = new std::map<std::string, FastRegistration>{
+      fast_entry<at::_ops::add__Tensor>(), fast_entry<at::_ops::add__Scalar>(),
+      fast_entry<at::_ops::sub__Tensor>(), fast_entry<at::_ops::sub__Scalar>(),
+      fast_entry<at::_ops::mul__Tensor>(), fast_entry<at::_ops::mul__Scalar>(),
+      fast_entry<at::_ops::div__Tensor>(), fast_entry<at::_ops::div__Scalar>(),
+      fast_entry<at::_ops::addcmul_>(), fast_entry<at::_ops::addcdiv_>(),
+      fast_entry<at::_ops::lerp__Scalar>(), fast_entry<at::_ops::lerp__Tensor>(),
+      fast_entry<at::_ops::copy_>(), fast_entry<at::_ops::zero_>(),
+      fast_entry<at::_ops::fill__Scalar>(), fast_entry<at::_ops::fill__Tensor>(),
+      fast_entry<at::_ops::masked_fill__Scalar>(), fast_entry<at::_ops::masked_fill__Tensor>(),
+      fast_entry<at::_ops::clamp_>(), fast_entry<at::_ops::clamp_min_>(),
+      fast_entry<at::_ops::sqrt_>(), fast_entry<at::_ops::exp_>(), fast_entry<at::_ops::relu_>(),
+      fast_entry<at::_ops::bernoulli__float>(), fast_entry<at::_ops::uniform_>(),
+      fast_entry<at::_ops::normal_>(), fast_entry<at::_ops::index_put_>(),
+      fast_entry<at::_ops::_foreach_add__Scalar>(), fast_entry<at::_ops::_foreach_add__List>(),
+      fast_entry<at::_ops::_foreach_add__Tensor>(), fast_entry<at::_ops::_foreach_add__ScalarList>(),
+      fast_entry<at::_ops::_foreach_sub__Scalar>(),
+      fast_entry<at::_ops::_foreach_mul__Scalar>(), fast_entry<at::_ops::_foreach_mul__List>(),
+      fast_entry<at::_ops::_foreach_mul__Tensor>(), fast_entry<at::_ops::_foreach_mul__ScalarList>(),
+      fast_entry<at::_ops::_foreach_div__Scalar>(), fast_entry<at::_ops::_foreach_div__List>(),
+      fast_entry<at::_ops::_foreach_div__Tensor>(), fast_entry<at::_ops::_foreach_div__ScalarList>(),
+      fast_entry<at::_ops::_foreach_lerp__Scalar>(), fast_entry<at::_ops::_foreach_lerp__List>(),
+      fast_entry<at::_ops::_foreach_addcmul__Scalar>(), fast_entry<at::_ops::_foreach_addcmul__ScalarList>(),
+      fast_entry<at::_ops::_foreach_addcmul__Tensor>(),
+      fast_entry<at::_ops::_foreach_addcdiv__Scalar>(), fast_entry<at::_ops::_foreach_addcdiv__ScalarList>(),
+      fast_entry<at::_ops::_foreach_addcdiv__Tensor>(),
+      fast_entry<at::_ops::_foreach_sqrt_>(), fast_entry<at::_ops::_foreach_neg_>(),
+      fast_entry<at::_ops::_foreach_maximum__List>(), fast_entry<at::_ops::_foreach_zero_>(),
+      fast_entry<at::_ops::_foreach_copy_>(),
+      fast_entry<at::_ops::_fused_adamw_>(), fast_entry<at::_ops::_fused_adam_>(),
+      fast_entry<at::_ops::_fused_sgd_>(),
+  };
+  return *table;
+}
 
 bool writes_argument(const c10::AliasInfo* info) {
   if (info == nullptr) return false;
@@ -802,6 +1147,7 @@ std::unique_ptr<HookKernel> make_kernel(const c10::OperatorHandle& op, const c10
 // Where hook_op registers: one torch::Library per namespace and key.
 struct Registrar {
   std::vector<std::unique_ptr<torch::Library>>* libraries;
+  std::vector<c10::RegistrationHandleRAII>* fast;  // where the unboxed kernels' registrations go
   std::map<std::pair<std::string, int>, torch::Library*> by_namespace;
 
   torch::Library* library(const std::string& ns, c10::DispatchKey key) {
@@ -845,9 +1191,12 @@ bool hook_op(const c10::OperatorName& op_name, const ExtraWrites& extra, Registr
   const std::string ns_name(*ns);
   const std::string qualified =
       op_name.overload_name.empty() ? op_name.name : op_name.name + "." + op_name.overload_name;
+  const auto fast = late || registrar.fast == nullptr ? fast_ops().end() : fast_ops().find(display_name(op_name));
   try {
-    registrar.library(ns_name, key)->impl(
-        qualified.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::move(kernel)));
+    if (fast == fast_ops().end() || !fast->second(kernel, *op, registrar.fast)) {
+      registrar.library(ns_name, key)->impl(
+          qualified.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::move(kernel)));
+    }
   } catch (const c10::Error&) {
     return false;  // an op that refuses a kernel on this key stays unhooked
   }
@@ -890,13 +1239,15 @@ PyObject* py_install(PyObject*, PyObject* args, PyObject* kwargs) {
         torch::Library::IMPL, "_", kInferenceKey, __FILE__, __LINE__));
     libraries->back()->fallback(torch::CppFunction::makeFallthrough());
   }
-  Registrar registrar{libraries.get(), {}};
+  auto fast_handles = std::make_unique<std::vector<c10::RegistrationHandleRAII>>();
+  Registrar registrar{libraries.get(), fast_handles.get(), {}};
   for (const c10::OperatorName& op_name : dispatcher.getAllOpNames()) {
     std::string shown = display_name(op_name);
     if (hook_op(op_name, *extra, registrar, false)) hooked->push_back(shown);
     seen->insert(std::move(shown));
   }
   g_libraries = libraries.release();
+  g_fast_handles = fast_handles.release();
   g_hooked = hooked.release();
   g_seen = seen.release();
   g_extra = extra.release();
@@ -916,7 +1267,7 @@ PyObject* py_hook_new(PyObject*, PyObject*) {
   g_registrations_seen = now;
   SilentWarnings silent;
   c10::WarningUtils::WarningHandlerGuard warning_guard(&silent);
-  Registrar registrar{g_libraries, {}};
+  Registrar registrar{g_libraries, nullptr, {}};  // ops defined later keep the boxed kernel
   long count = 0;
   for (const c10::OperatorName& op_name : c10::Dispatcher::singleton().getAllOpNames()) {
     std::string shown = display_name(op_name);
@@ -940,6 +1291,8 @@ PyObject* py_uninstall(PyObject*, PyObject*) {
     c10::WarningUtils::WarningHandlerGuard warning_guard(&silent);
     delete g_listener;
     g_listener = nullptr;
+    delete g_fast_handles;  // each handle deregisters its unboxed kernel
+    g_fast_handles = nullptr;
     delete g_libraries;  // each Library deregisters its kernels: the originals are back
     g_libraries = nullptr;
     delete g_hooked;
@@ -1034,9 +1387,18 @@ bool read_address(PyObject* obj, uintptr_t* out, const char* what) {
 
 // Makes `next` what writing threads read (replaced whole, never changed once published).
 // Updates come from Python with the GIL held, so they never race each other.
+void store_protected(std::shared_ptr<const Protected> next) {
+  const Protected* raw = next.get();
+  std::shared_ptr<const Protected> old = std::atomic_exchange(&g_protected, std::move(next));
+  g_protected_raw.store(raw, std::memory_order_seq_cst);
+  if (old != nullptr) g_retired->push_back(std::move(old));
+  // A reader that counted itself after the store above reads `raw`: none left means none
+  // holds a retired one (both sides seq_cst: the store, then this load; the count, then its load).
+  if (g_protected_readers.load(std::memory_order_seq_cst) == 0) g_retired->clear();
+}
+
 void publish(std::shared_ptr<Protected> next) {
-  std::shared_ptr<const Protected> frozen = std::move(next);
-  std::atomic_store(&g_protected, std::move(frozen));
+  store_protected(std::shared_ptr<const Protected>(std::move(next)));
 }
 
 // Reads a sequence of (start, stop) pairs (tuples or lists of two addresses) into `out`,
@@ -1196,7 +1558,7 @@ PyObject* py_admit(PyObject*, PyObject* args) {
   if (arg == Py_None) {
     if (!g_admitting) Py_RETURN_FALSE;
     const bool untouched = std::atomic_load(&g_protected) == g_admit_published;
-    if (untouched) std::atomic_store(&g_protected, g_admit_before);
+    if (untouched) store_protected(g_admit_before);
     g_admit_before.reset();
     g_admit_published.reset();
     g_admitting = false;
@@ -1235,7 +1597,7 @@ PyObject* py_admit(PyObject*, PyObject* args) {
   g_admit_before = std::move(current);
   g_admit_published = frozen;
   g_admitting = true;
-  std::atomic_store(&g_protected, std::move(frozen));
+  store_protected(std::move(frozen));
   Py_RETURN_TRUE;
   KVGUARD_CATCH
 }
@@ -1305,6 +1667,7 @@ PyObject* py_set_watch(PyObject*, PyObject* args) {
   PyObject* old = g_watch_snapshots;
   g_watch_snapshots = watch == Py_None ? nullptr : frozen;
   if (watch == Py_None) Py_XDECREF(frozen);
+  publish_quiet(g_watch_snapshots);
   Py_XDECREF(old);
   Py_RETURN_NONE;
 }
