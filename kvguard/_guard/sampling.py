@@ -74,6 +74,7 @@ class StepClock:
         self.intervals_checked = int(self.checked)
         self._lead: Optional[weakref.ref[object]] = None
         self._listeners: list[Callable[[bool], None]] = []
+        self._block = (-1, -1)  # (block, the offset checked in it): one hash per block, not per step
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         from kvguard._torch import compiled as _compiled
@@ -88,12 +89,22 @@ class StepClock:
         if optimizer is not lead:
             return
         self.index += 1
-        now = checks(self.setting, STEP, self.index)
+        now = self._checks(self.index)
         self.intervals_checked += now
         if now != self.checked:
             self.checked = now
             for listener in list(self._listeners):
                 listener(now)
+
+    def _checks(self, index: int) -> bool:
+        """`checks(setting, STEP, index)`, its block's choice hashed once (this runs after every step)."""
+        setting = self.setting
+        if setting.every <= 1 or index < setting.first:
+            return True
+        block, offset = divmod(index - setting.first, setting.every)
+        if self._block[0] != block:
+            self._block = (block, _chosen(setting, STEP, block))
+        return offset == self._block[1]
 
     def listen(self, listener: Callable[[bool], None]) -> Callable[[], None]:
         """Tell `listener(checked)` at each change; returns its removal."""
