@@ -137,7 +137,7 @@ def _begin(module: Any, verb: str, watch: bool, frame: Optional[types.FrameType]
             guard.add_modules([(name, module)])
     site = site_of(next(user_frames(frame), None))
     what = f"{name or type(module).__name__}.{verb}" if module is not None else verb
-    load, outer = _loads.enter(what, site, module)
+    load, outer = _loads.enter(what, site, module, next(user_frames(frame), None))
     if outer:
         counts[verb] = counts.get(verb, 0) + 1
     return load, outer
@@ -215,13 +215,17 @@ class _Handing:
         from kvguard._protect.liveness import COLLECTORS, collects
 
         load = self._load
+        caller = sys._getframe(1)
         try:
-            caller = sys._getframe(1)
             if not collects(caller, lambda: call_argument_text(caller, COLLECTORS) is not None):
-                _loads.consumed(load)  # a loop asks for the next: the item before is done with
+                _loads.consumed(load, caller)  # a loop asks for the next: the item before is done with
         except Exception:  # noqa: BLE001 - kvguard's bookkeeping never fails the user's load
             pass
-        item = next(self._source)
+        undo = _loads.source_running(load, caller)
+        try:
+            item = next(self._source)
+        finally:
+            undo()
         try:
             if isinstance(item, tuple) and len(item) == 2 and _is_tensor(item[1]):
                 _loads.hand_out(load, [(str(item[0]), item[1])], _yielded_at(self._source))

@@ -43,19 +43,23 @@ _BUILDS = frozenset({"LIST_APPEND", "MAP_ADD", "SET_ADD"})
 class _Liveness:
     """One code object's instructions, by offset, and the names live after each."""
 
-    __slots__ = ("offsets", "live_out", "names", "always")
+    __slots__ = ("offsets", "live_out", "names", "always", "_at")
 
     def __init__(self, offsets: list[int], live_out: list[int], names: list[str], always: int) -> None:
         self.offsets = offsets  # each instruction's offset, ascending
         self.live_out = live_out  # per instruction: the bit set of names live after it runs
         self.names = names  # bit i -> name
         self.always = always  # names live everywhere (cells, names nested code reads)
+        self._at: dict[int, frozenset[str]] = {}  # answers by offset
 
     def at(self, lasti: int) -> frozenset[str]:
         """The names live once the instruction at byte offset `lasti` completes."""
-        i = _index_at(self.offsets, lasti)
-        bits = (self.live_out[i] if i >= 0 else 0) | self.always
-        return frozenset(name for k, name in enumerate(self.names) if bits >> k & 1)
+        known = self._at.get(lasti)
+        if known is None:
+            i = _index_at(self.offsets, lasti)
+            bits = (self.live_out[i] if i >= 0 else 0) | self.always
+            known = self._at[lasti] = frozenset(name for k, name in enumerate(self.names) if bits >> k & 1)
+        return known
 
 
 def live_names(frame: types.FrameType) -> Optional[frozenset[str]]:

@@ -153,8 +153,9 @@ class ModuleSet(IntendedWritesSet):
         self._rebuild_index()
 
     def _drop_dead(self) -> bool:
+        weights_died = any(e.ref() is None and not self.is_received(e) for e in self._entries.values())
         dropped = super()._drop_dead()
-        if dropped:
+        if weights_died:  # (what a load was handed dies one by one: the weights' caches stand)
             self._forget_steps()  # keyed by the ids of tensors, one of which died
             self._own_writes = None
         return dropped

@@ -17,6 +17,7 @@ and a load that ends lets what it was handed go.
 from __future__ import annotations
 
 import threading
+import types
 import weakref
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Protocol, Sequence
 
@@ -35,7 +36,7 @@ class Listener(Protocol):
 
     def hand_out(self, load: Load, items: Sequence[tuple[str, torch.Tensor]], where: str) -> None: ...
 
-    def consumed(self, load: Load) -> None: ...
+    def consumed(self, load: Load, consumer: Optional[types.FrameType]) -> None: ...
 
     def received(self, tensors: Sequence[torch.Tensor], how: str, site: Site) -> None: ...
 
@@ -53,12 +54,13 @@ class _Written(NamedTuple):
 class Load:
     """One load running on a thread: what it loads, where it was called, what it wrote."""
 
-    __slots__ = ("what", "site", "key", "_modules", "_ids", "_writes", "handed", "__weakref__")
+    __slots__ = ("what", "site", "key", "caller", "_modules", "_ids", "_writes", "handed", "__weakref__")
 
     def __init__(self, what: str, site: Site, modules: Optional[Sequence[torch.nn.Module]], key: int = 0) -> None:
         self.what = what  # `rollout_model.load_weights`, `finish_reload`, `model.load_state_dict`
         self.site = site  # the line that called it
         self.key = key  # a load_state_dict's: the id of its outermost frame, running while it does
+        self.caller: Optional[types.FrameType] = None  # the frame that called it, while it runs (entered loads)
         # Weakly, the modules it loads; None: every watched module (an entry point naming none).
         self._modules: Optional[list[weakref.ref[torch.nn.Module]]] = (
             None if modules is None else [weakref.ref(m) for m in modules])
@@ -145,9 +147,11 @@ def current() -> Optional[Load]:
     return stack[0] if stack else None
 
 
-def enter(what: str, site: Site, module: Optional[torch.nn.Module]) -> tuple[Load, bool]:
-    """A load starts on this thread (`module`: the one it loads, if it names one). Returns the load
-    its writes belong to, and whether it is a new one (the outermost): only that one is left."""
+def enter(what: str, site: Site, module: Optional[torch.nn.Module],
+          caller: Optional[types.FrameType] = None) -> tuple[Load, bool]:
+    """A load starts on this thread (`module`: the one it loads, if it names one; `caller`: the frame
+    calling it). Returns the load its writes belong to, and whether it is a new one (the outermost):
+    only that one is left."""
     stack: Optional[list[Load]] = getattr(_local, "stack", None)
     if stack is None:
         stack = _local.stack = []
@@ -157,6 +161,7 @@ def enter(what: str, site: Site, module: Optional[torch.nn.Module]) -> tuple[Loa
             outer.add_module(module)
         return outer, False
     load = Load(what, site, None if module is None else [module])
+    load.caller = caller
     stack.append(load)
     return load, True
 
@@ -166,6 +171,7 @@ def leave(load: Load) -> None:
     stack: Optional[list[Load]] = getattr(_local, "stack", None)
     if stack and stack[0] is load:
         stack.clear()
+    load.caller = None  # no frame kept past the call
     _tell(lambda listener: listener.load_ended(load))
 
 
@@ -193,10 +199,46 @@ def hand_out(load: Load, items: Sequence[tuple[str, torch.Tensor]], where: str) 
     _tell(lambda listener: listener.hand_out(load, items, where))
 
 
-def consumed(load: Load) -> None:
-    """The consumer of `load`'s weights iterator asked for the next item: what it was handed before is
-    consumed, unless it keeps it (found where a refill looks)."""
-    _tell(lambda listener: listener.consumed(load))
+def consumed(load: Load, consumer: Optional[types.FrameType]) -> None:
+    """The consumer of `load`'s weights iterator (running in `consumer`) asked for the next item: what it
+    was handed before is consumed, unless that frame keeps it (in a variable it reads later, or a
+    container such a variable holds)."""
+    _tell(lambda listener: listener.consumed(load, consumer))
+
+
+def source_running(load: Load, consumer: types.FrameType) -> Callable[[], None]:
+    """A load's weights iterator runs its source for the next item, asked from `consumer`: the frames
+    between `consumer` and the load's caller are the load's own, which hold only what it was handed
+    (judged item by item as it asks for the next). Returns the undo."""
+    stack: Optional[list[tuple[Load, types.FrameType]]] = getattr(_local, "sources", None)
+    if stack is None:
+        stack = _local.sources = []
+    stack.append((load, consumer))
+
+    def undo() -> None:
+        if stack and stack[-1][0] is load and stack[-1][1] is consumer:
+            stack.pop()
+    return undo
+
+
+def the_loads_own(frame: types.FrameType) -> Callable[[types.FrameType], bool]:
+    """For a search of the frames from `frame` outwards on this thread: whether a frame is one a
+    running weights iterator's load owns (between its consumer and the load's caller; see
+    `source_running`), to pass over."""
+    stack: Optional[list[tuple[Load, types.FrameType]]] = getattr(_local, "sources", None)
+    if not stack:
+        return lambda f: False
+    load, consumer = stack[-1]
+    outer = load.caller
+    inside = [False]
+
+    def owned(f: types.FrameType) -> bool:
+        if f is consumer:
+            inside[0] = True
+        if f is outer:
+            inside[0] = False
+        return inside[0]
+    return owned
 
 
 def received(tensors: Sequence[torch.Tensor], how: str, site: Site) -> None:

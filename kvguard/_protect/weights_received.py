@@ -53,7 +53,7 @@ HELD_FIX = ("a view of a receive buffer changes when the buffer is refilled: kee
             "past the next receive, or receive into another buffer")
 _FRAMES = 24  # the refilling thread's frames searched for held views
 _DEPTH = 3  # containers below a variable searched
-_BUDGET = 20_000  # objects looked at per search, at most
+_BUDGET = 5_000  # objects looked at per search, at most
 _ITEMS = 4_096  # items of one container looked at, at most
 
 
@@ -111,9 +111,20 @@ class ReceivedSet(SteppingSet):
         if views:
             self._buffers(views, f"views of it handed to {load.said}")
 
-    def consumed(self, load: _loads.Load) -> None:
-        for _, what in self._received.values():
-            if what.kind == HANDED and what.load is not None and what.load() is load:
+    def consumed(self, load: _loads.Load, consumer: Optional[types.FrameType]) -> None:
+        """`load`'s consumer asks for the next item: what it was handed before is consumed, unless
+        the consumer's frame keeps it (a variable it reads later, or a container one holds)."""
+        waiting = [(entry, what) for entry, what in self._received.values()
+                   if what.kind == HANDED and not what.consumed and what.load is not None and what.load() is load]
+        if not waiting:
+            return
+        kept: set[int] = set()
+        if consumer is not None:
+            tensors = {id(t) for e, _ in waiting if (t := e.ref()) is not None}
+            storages = {_storage(t) for e, _ in waiting if (t := e.ref()) is not None}
+            kept = {id(t) for _, t, _, _ in _held_tensors([consumer], set(), storages) if id(t) in tensors}
+        for entry, what in waiting:
+            if id(entry.ref()) not in kept:
                 what.consumed = True
 
     def load_ended(self, load: _loads.Load) -> None:
@@ -207,13 +218,16 @@ class ReceivedSet(SteppingSet):
                     frame: Optional[types.FrameType]) -> list[Entry]:
         """The views of the refilled `buffers` held at this refill (see the module docstring), each
         an entry (made now where it is none yet)."""
-        frames = [f for _, f in zip(range(_FRAMES), _frames.user_frames(frame))]
+        owned = _loads.the_loads_own(frame) if frame is not None else (lambda f: False)
+        # The load's own frames hold only what it was handed: judged as its consumer asks for more.
+        frames = [f for _, f in zip(range(_FRAMES), (f for f in _frames.user_frames(frame) if not owned(f)))]
         skip = {id(t) for t in written}
         skip.update(id(t) for e in buffers if (t := e.ref()) is not None)
         how = "; ".join(dict.fromkeys(self._received[id(e)][1].how for e in buffers))
         found: list[Entry] = []
         new: list[tuple[str, torch.Tensor, _tree.Chain, int]] = []
-        for path, tensor, chain, depth in _held_tensors(frames, skip):
+        storages = {_storage(t) for t in written}
+        for path, tensor, chain, depth in _held_tensors(frames, skip, storages):
             if not any(_overlap(tensor, w) for w in written):
                 continue
             known = self.entry_of(tensor)
@@ -283,62 +297,107 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
 
 
-def _held_tensors(frames: list[types.FrameType], skip: set[int]
-                  ) -> Iterator[tuple[str, torch.Tensor, _tree.Chain, int]]:
-    """(path, tensor, chain from the variable's value down, index of the frame) of the tensors the
-    code on `frames` may still read: in live variables, and in the containers they hold."""
-    budget = [_BUDGET]
+def _held_tensors(frames: list[types.FrameType], skip: set[int], storages: set[int]
+                  ) -> list[tuple[str, torch.Tensor, _tree.Chain, int]]:
+    """(path, tensor, chain from the variable's value down, index of the frame) of the tensors in
+    memory of `storages` (their addresses) that the code on `frames` may still read: in live
+    variables, and in the dicts, lists, tuples, sets and objects' attributes they hold, to
+    `_DEPTH` levels and `_BUDGET` objects. Iterative, each object's path made only for what is
+    found: it runs at every refill."""
+    found: list[tuple[int, torch.Tensor, int]] = []  # (node, tensor, frame index)
+    # node -> (parent node, the container, the step from it, the variable's name at a root); -1: none
+    nodes: list[tuple[int, object, object, str]] = []
+    budget = _BUDGET
     seen: set[int] = set(skip)
     for depth, frame in enumerate(frames):
         live = _liveness.live_names(frame)
+        if live is not None and not live:
+            continue
         try:
             names = frame.f_locals if live is None else _frames.frame_names(frame, live)
-            values = list(names.items())
         except Exception:  # noqa: BLE001 - a frame that cannot be read holds nothing we name
             continue
-        for name, value in values:
-            yield from ((p, t, c, depth) for p, t, c in _walk(value, name, (), 0, seen, budget))
-            if budget[0] <= 0:
-                return
+        stack: list[tuple[object, int, int]] = []  # (value, its node, its level)
+        for name, value in names.items():
+            nodes.append((-1, None, None, name))
+            stack.append((value, len(nodes) - 1, 0))
+        while stack:
+            budget -= 1
+            if budget < 0:
+                return _named(found, nodes)
+            value, node, level = stack.pop()
+            if id(value) in seen:
+                continue
+            kind = type(value)  # `type()`: an object may refuse attribute reads (`__class__`)
+            what = _kinds.get(kind)
+            if what is None:
+                what = _kinds[kind] = _kind_of(kind)
+            if what == _TENSOR:
+                seen.add(id(value))
+                tensor = cast(torch.Tensor, value)
+                if _storage(tensor) in storages:
+                    found.append((node, tensor, depth))
+                continue
+            if what == _SKIP or level >= _DEPTH:
+                continue  # a module's weights are judged as weights; a Parameter is a weight
+            seen.add(id(value))
+            try:
+                if issubclass(kind, dict):
+                    children: list[tuple[object, object]] = list(dict.items(cast("dict[object, object]", value)))
+                elif issubclass(kind, (list, tuple)):
+                    children = list(enumerate(cast("Sequence[object]", value)))
+                elif issubclass(kind, (set, frozenset)):
+                    children = [(_IN_SET, v) for v in cast("set[object]", value)]
+                else:
+                    own = object.__getattribute__(value, "__dict__")  # an object's own attributes (a worker's self)
+                    if not isinstance(own, dict):
+                        continue
+                    children = [(_tree.Attr(str(k)), v) for k, v in own.items()]
+            except Exception:  # noqa: BLE001 - a container that refuses to be read holds nothing we name
+                continue
+            for step, child in children[:_ITEMS]:
+                if _kinds.get(type(child)) == _SKIP:
+                    continue
+                nodes.append((node, value, step, ""))
+                stack.append((child, len(nodes) - 1, level + 1))
+    return _named(found, nodes)
 
 
-def _walk(value: object, path: str, chain: _tree.Chain, level: int, seen: set[int],
-          budget: list[int]) -> Iterator[tuple[str, torch.Tensor, _tree.Chain]]:
-    if budget[0] <= 0 or id(value) in seen:
-        return
-    budget[0] -= 1
-    kind = type(value)  # `type()`: an object may refuse attribute reads (`__class__`)
+_IN_SET = object()  # the step to a set's member: no key names it
+_TENSOR, _SKIP, _WALK = 0, 1, 2
+_kinds: dict[type, int] = {}  # what the walk does with a value of each type
+
+
+def _kind_of(kind: type) -> int:
+    if issubclass(kind, torch.nn.Parameter):
+        return _SKIP  # a weight: judged as one (a view of a receive buffer loaded with assign=True is one too)
     if issubclass(kind, torch.Tensor):
-        seen.add(id(value))
-        yield path, cast(torch.Tensor, value), chain
-        return
-    if level >= _DEPTH or issubclass(kind, _OPAQUE):
-        return  # a module's weights are judged as weights
-    seen.add(id(value))
-    children: list[tuple[Optional[object], object]]  # (chain step, child); None: no step names it (a set)
-    try:
-        if issubclass(kind, dict):
-            children = list(dict.items(cast("dict[object, object]", value)))[:_ITEMS]
-        elif issubclass(kind, (list, tuple)):
-            children = [(i, v) for i, v in enumerate(cast("Sequence[object]", value)) if i < _ITEMS]
-        elif issubclass(kind, (set, frozenset)):
-            children = [(None, v) for v in list(cast("set[object]", value))[:_ITEMS]]
-        else:
-            own = object.__getattribute__(value, "__dict__")  # an object's own attributes (a worker's self)
-            if not isinstance(own, dict):
-                return
-            children = [(_tree.Attr(str(key)), v) for key, v in list(own.items())[:_ITEMS]]
-    except Exception:  # noqa: BLE001 - a container that refuses to be read holds nothing we name
-        return
-    for step, child in children:
-        text = "{…}" if step is None else _tree.step_text(step)
-        below = chain if step is None else chain + ((value, step),)
-        yield from _walk(child, path + text, below, level + 1, seen, budget)
+        return _TENSOR
+    return _SKIP if issubclass(kind, _OPAQUE) or kind is type(None) else _WALK
+
+
+def _named(found: list[tuple[int, torch.Tensor, int]], nodes: list[tuple[int, object, object, str]]
+           ) -> list[tuple[str, torch.Tensor, _tree.Chain, int]]:
+    """The path and chain of each tensor found, read up its nodes."""
+    out = []
+    for node, tensor, depth in found:
+        steps: list[tuple[object, object]] = []
+        name = ""
+        while node >= 0:
+            parent, container, step, name = nodes[node]
+            if parent >= 0 or container is not None:
+                steps.append((container, step))
+            node = parent
+        steps.reverse()
+        path = name + "".join("{…}" if step is _IN_SET else _tree.step_text(step) for _, step in steps)
+        chain = tuple((c, step) for c, step in steps if step is not _IN_SET)
+        out.append((path, tensor, chain, depth))
+    return out
 
 
 # What the walk does not look into: a module's weights are judged as weights; the rest holds no view.
-_OPAQUE = (torch.nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType, str, bytes, int,
-           float, complex, bool)
+_OPAQUE = (torch.nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+           str, bytes, int, float, complex, bool, torch.Size, torch.dtype, torch.device, range)
 
 
 if TYPE_CHECKING:
