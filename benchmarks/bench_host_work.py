@@ -184,6 +184,38 @@ def saved_run(k: int) -> tuple[Callable[[], float], int]:
     return run, count[0]
 
 
+def c_work(rounds: int, n: int = 20_000) -> Optional[float]:
+    """µs per saved tensor of kvguard's C pack, unpack and release called directly, less the same
+    calls of a C identity: what `guard_autograd` would add per saved tensor if autograd called a
+    C++ default hook (it calls Python objects, under the GIL, for any default hook: the `c hooks`
+    row is that price). Measured in a forked child (the hook installed there only); None without
+    a C compiler."""
+    identity = c_identity()
+    if identity is None:
+        return None
+
+    def enter() -> Any:
+        return _with_hook("compiled", lambda: kinds(("autograd",), None, None))
+
+    t = torch.randn(16, requires_grad=True) * 1  # an intermediate, as most saved tensors are
+
+    def run() -> float:
+        pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)  # the guard's C pair
+        times = []
+        for fns in ((identity, identity), (pack, unpack)):
+            p, u = fns
+            t0 = time.process_time()
+            for _ in range(n):
+                saved = p(t)
+                u(saved)
+                del saved
+            times.append(time.process_time() - t0)
+        return times[1] - times[0]
+
+    per = [_forked(enter, run) / n * 1e6 for _ in range(rounds)]
+    return statistics.median(per)
+
+
 def step_model(params: int, impl: str) -> tuple[torch.nn.Module, Any]:
     torch.manual_seed(0)
     model = torch.nn.Module()
@@ -331,6 +363,7 @@ def main() -> None:
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     wall = time.time()
     figures = measure(rows, rounds)
+    c_only = c_work(rounds) if "saved" in only else None
     _hook(None)
     print(f"\n{rounds} rounds, CPU time, collector off during a run, torch {torch.__version__}, one thread; load "
           f"average {load} → {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {time.time() - wall:.0f} s\n")
@@ -350,6 +383,11 @@ def main() -> None:
             print(f"| {row} | {contender} | {median:.2f} | {shown} | {'≤ ' + str(target) if kvguard_row else ''} "
                   f"| {met} |")
             raw.setdefault(row, {})[contender] = {"us": median, "added_us": extra, "rounds": times}
+    if c_only is not None:
+        print(f"\nkvguard's C pack + unpack + release called directly, less a C identity's calls: {c_only:+.2f} µs "
+              "per saved tensor (what guard_autograd would add if autograd called C++ default hooks; the `c hooks` "
+              "row is what autograd charges for calling any default hook through Python)")
+        raw["c work per saved tensor"] = c_only
     if args.json:
         with open(args.json, "w") as f:
             json.dump(raw, f, indent=1)
