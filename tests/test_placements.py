@@ -123,6 +123,27 @@ def test_a_deletion_then_a_store_is_seen() -> None:
     assert _paths(g) == ["rd['d']", "rd['lst'][0]"]
 
 
+@pytest.mark.parametrize("size", [3, 300])  # a list in a segment with others, and one alone (>= 256 values)
+def test_a_store_into_a_list_with_an_append_in_one_interval_is_seen(size: int) -> None:
+    """An append extends the list's snapshot instead of taking it again; a store into the list
+    made in the same interval as an append is not an append, and is seen."""
+    rd: dict[str, Any] = {"a": torch.ones(1), "lst": [torch.ones(1) for _ in range(size)]}
+    tmp = torch.zeros(1)
+    with kvguard.guard(rd, name="rd", action="record") as g:
+        for _ in range(3):
+            rd["lst"].append(torch.ones(1))
+            tmp.add_(1)  # a look: appended
+        rd["lst"][1] = torch.ones(2)
+        rd["lst"].append(torch.ones(3))
+        tmp.add_(1)  # one look sees both
+        rd["lst"][1].add_(1)
+        rd["lst"][-1].add_(1)
+        rd["lst"][-2].add_(1)  # an earlier append
+        rd["lst"].append(torch.ones(4))
+        rd["lst"][-1].add_(1)  # appended after the store: its path is still exact
+    assert _paths(g) == [f"rd['lst'][{i}]" for i in (1, size + 3, size + 2, size + 4)]
+
+
 def _placements_per_second(protected: int, placements: int) -> float:
     rd = {f"k{i}": [torch.ones(4) for _ in range(protected // 6)] for i in range(6)}
     rd["new"] = []  # type: ignore[assignment]

@@ -552,6 +552,21 @@ def changed_at(snap: Snapshot) -> list[tuple[Container, tuple[object, ...]]]:
     return found
 
 
+def appended(container: object, held: tuple[object, ...]) -> Optional[tuple[object, ...]]:
+    """What a list gained at its end since it held `held` (its first values still those, by
+    identity), or None when it changed otherwise (or is not a list). In C where the extension
+    built: a copy of the prefix and one comparison, about a nanosecond a value."""
+    if type(container) is not list:
+        return None
+    n = len(held)
+    if len(container) < n:
+        return None
+    prefix = container[:n]
+    if not (_same_values_c((prefix,), held) if _same_values_c is not None else all(map(is_, prefix, held))):
+        return None
+    return tuple(container[n:])
+
+
 def new_children(container: object, held: tuple[object, ...]
                  ) -> Optional[tuple[list[tuple[object, object]], list[object]]]:
     """What changed in a dict or list since it held `held`: `(step, value)` of the values

@@ -101,9 +101,19 @@ class Watcher:
         grown: list[_tree.Container] = []
         if touched is None:
             touched = self.touched()
-        for target, held in (pair for i in touched for pair in _tree.changed_at(self.segments[i])):
+        # A segment that is one list, appended to: its snapshot grows by what was appended (a copy
+        # of the tuple, in C) instead of being taken again value by value.
+        extended: dict[int, tuple[object, ...]] = {}
+        for i, target, held in ((i, *pair) for i in touched for pair in _tree.changed_at(self.segments[i])):
             owner = self.owners.get(id(target))
-            diff = _tree.new_children(target, held) if owner is not None and target is owner.obj else None
+            new = _tree.appended(target, held) if owner is not None and target is owner.obj else None
+            if new is not None:
+                snap = self.segments[i]
+                if len(snap.containers) == 1 and not snap.probed:
+                    extended[i] = new
+                diff = ([(step, value) for step, value in enumerate(new, len(held))], [])
+            else:
+                diff = _tree.new_children(target, held) if owner is not None and target is owner.obj else None
             if owner is None or (not final and diff is not None and any(id(v) in self.walked for v in diff[1])):
                 return None
             if diff is None:  # attributes, pytree nodes, mappings, probes: their container again
@@ -131,8 +141,12 @@ class Watcher:
         if self.grown > max(len(self.owners) - self.grown, 8):
             return None  # the watch doubled: drop what is no longer reachable
         segments = self.segments
-        for i in touched:  # the segments that changed, taken again; the others as they were
-            segments[i] = _tree.snapshot(_parts(segments[i]))
+        for i in sorted(touched, reverse=True):  # the segments that changed, taken again; the others as they were
+            snap, new = segments[i], extended.get(i)
+            if new is not None:
+                segments[i] = snap._replace(held=snap.held + new, ends=(snap.ends[0] + len(new),))
+            else:  # a container grown to a segment's size leaves its group: its appends are then the case above
+                segments[i:i + 1] = _segments(_parts(snap))
         segments += _segments(grown)
         self.partial = True
         return leaves
