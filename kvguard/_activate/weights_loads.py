@@ -211,13 +211,12 @@ class _Handing:
 
     def __next__(self) -> Any:
         from kvguard._protect import weights_loads as _loads
-        from kvguard._protect.frames import call_argument_text
-        from kvguard._protect.liveness import COLLECTORS, collects
+        from kvguard._protect.liveness import COLLECTORS, callee, collects
 
         load = self._load
         caller = sys._getframe(1)
         try:
-            if not collects(caller, lambda: call_argument_text(caller, COLLECTORS) is not None):
+            if not collects(caller, lambda: callee(caller) in COLLECTORS):
                 _loads.consumed(load, caller)  # a loop asks for the next: the item before is done with
         except Exception:  # noqa: BLE001 - kvguard's bookkeeping never fails the user's load
             pass

@@ -14,6 +14,7 @@ it was given (`dict(weights)`, a comprehension) or takes one at a time (a `for` 
 
 from __future__ import annotations
 
+import ast
 import dis
 import functools
 import inspect
@@ -166,6 +167,36 @@ def _index_at(offsets: list[int], lasti: int) -> int:
         else:
             hi = mid
     return lo - 1
+
+
+def callee(frame: types.FrameType) -> Optional[str]:
+    """The name of the function the innermost call at `frame`'s instruction names (`dict` in
+    `weights = dict(self._stream())`), read from the source; None where it cannot be read."""
+    return _callee_at(frame.f_code, frame.f_lasti)
+
+
+@functools.lru_cache(maxsize=4096)
+def _callee_at(code: types.CodeType, lasti: int) -> Optional[str]:
+    from kvguard._protect.frames import parsed_source
+
+    positions = list(code.co_positions())
+    if lasti < 0 or lasti // 2 >= len(positions):
+        return None
+    line, end_line, col, end_col = positions[lasti // 2]
+    tree = parsed_source(code.co_filename)
+    if tree is None or line is None or col is None or end_line is None or end_col is None:
+        return None
+    best: Optional[ast.Call] = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.end_lineno is not None and node.end_col_offset is not None \
+                and (node.lineno, node.col_offset) <= (line, col) and (end_line, end_col) <= \
+                (node.end_lineno, node.end_col_offset):
+            if best is None or (best.lineno, best.col_offset) <= (node.lineno, node.col_offset):
+                best = node  # the innermost call holding the instruction
+    func = best.func if best is not None else None
+    if isinstance(func, ast.Name):
+        return func.id
+    return func.attr if isinstance(func, ast.Attribute) else None
 
 
 def collects(frame: types.FrameType, collector: Callable[[], bool]) -> bool:
