@@ -36,6 +36,7 @@ ROW_PY_DIGEST: int
 ROW_GONE: int
 def writes() -> int: ...
 def candidates(tensors: Sequence[Any]) -> list[int]: ...
+def meets_saved(tensors: Sequence[Any]) -> bool: ...  # a write to one may reach a tensor the C pack saved
 
 class Table:
     """A protected set's tensors, one row each (csrc/table.h); `add_protected(table, first_row, replace)`

@@ -207,7 +207,8 @@ class SavedSet(BridgedSet):
         views share one version counter, so autograd's check at backward fails all the same.
         """
         self.counter_only = frozenset()
-        if self._pending or self._described or (self._hooks_c is not None and any(map(_bridge.has_memory, written))):
+        if self._pending or self._described or (self._hooks_c is not None and any(map(_bridge.has_memory, written))
+                                                and self._rows_met(written)):
             self._flush()  # their entries: the lookup needs them (what C packed: only where it may be met)
         if kind == "write" and any(t.layout == torch.sparse_coo for t in written):
             written = [_values_of(t) for t in written]
@@ -223,6 +224,17 @@ class SavedSet(BridgedSet):
         if hit and (node := _autograd.current_autograd_node()) is not None:
             hit = self._not_read_by(_autograd.node_serial(node), hit)
         return self._named(hit) if hit else hit
+
+    def _rows_met(self, written: Sequence[torch.Tensor]) -> bool:
+        """Whether the write may reach what C packed and Python has no entry for yet: its storage
+        meets a live saved row (the write hook's own test). A batch norm's statistics, written in
+        every forward and sent to Python for the weights guard, meet none: the packs wait."""
+        if self._fast is None:
+            return True
+        try:
+            return bool(self._fast.meets_saved(written))
+        except Exception:  # noqa: BLE001 - an extension without it (a stale build): look
+            return True
 
     def _not_read_by(self, serial: Optional[int], hit: list[Entry]) -> list[Entry]:
         """`hit` less what the backward node running now has unpacked: a node's backward may

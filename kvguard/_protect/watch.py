@@ -104,9 +104,10 @@ class Watcher:
         # A segment that is one list, appended to: its snapshot grows by what was appended (a copy
         # of the tuple, in C) instead of being taken again value by value.
         extended: dict[int, tuple[object, ...]] = {}
-        for i, target, held in ((i, *pair) for i in touched for pair in _tree.changed_at(self.segments[i])):
+        for i, (target, held) in ((i, pair) for i in touched for pair in _tree.changed_at(self.segments[i])):
             owner = self.owners.get(id(target))
             new = _tree.appended(target, held) if owner is not None and target is owner.obj else None
+            diff: Optional[tuple[list[tuple[object, object]], list[object]]]
             if new is not None:
                 snap = self.segments[i]
                 if len(snap.containers) == 1 and not snap.probed:

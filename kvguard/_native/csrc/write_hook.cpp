@@ -1709,6 +1709,37 @@ PyObject* py_candidates(PyObject*, PyObject* arg) {
 }
 
 
+// meets_saved(tensors) -> bool: whether a write to one of `tensors` may reach a tensor the C pack
+// saved (its storage's bytes meet a live saved row; views share a version counter only within
+// one storage): where none does, the judge of a write Python was asked about for another guard
+// has no C pack to look at. True for a tensor whose memory cannot be read (Python decides).
+PyObject* py_meets_saved(PyObject*, PyObject* arg) {
+  KVGUARD_TRY
+  PyRef seq{PySequence_Fast(arg, "meets_saved() takes a sequence of tensors")};
+  if (seq.p == nullptr) return nullptr;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.p);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PySequence_Fast_GET_ITEM(seq.p, i);
+    if (!THPVariable_Check(item)) Py_RETURN_TRUE;
+    const at::Tensor& t = THPVariable_Unpack(item);
+    if (!t.defined()) continue;
+    uintptr_t lo = 0, hi = 0;
+    try {
+      if (!t.has_storage() || t.layout() != c10::kStrided) Py_RETURN_TRUE;
+      const c10::Storage& storage = t.storage();
+      const void* data = storage.data();
+      if (data == nullptr) Py_RETURN_TRUE;
+      lo = reinterpret_cast<uintptr_t>(data);
+      hi = lo + storage.nbytes();
+    } catch (...) {
+      Py_RETURN_TRUE;
+    }
+    if (hi > lo && saved_rows_meet(lo, hi)) Py_RETURN_TRUE;
+  }
+  Py_RETURN_FALSE;
+  KVGUARD_CATCH
+}
+
 // ---- autograd's pack and unpack hooks in C ---------------------------------------------------
 // kvguard._protect.saved's hooks, for the common case, without a Python frame: SavedHooks'
 // pack keeps a Saved (the tensor detached, its version, the user's line that saved it) and
@@ -2339,6 +2370,8 @@ PyMethodDef methods[] = {
      "records as (kvguard._protect.records.Record); its _fields must be RECORD_FIELDS."},
     {"writes", py_writes, METH_NOARGS,
      "writes() -> int\n\nHow many outermost writing ops ran while enabled."},
+    {"meets_saved", py_meets_saved, METH_O,
+     "meets_saved(tensors) -> bool: whether a write to one of them may reach a tensor the C pack saved"},
     {"candidates", py_candidates, METH_O,
      "candidates(tensors) -> list[int]\n\nThe positions of the tensors a write into which the hook "
      "would hand to its callback now (none while it is off or has no callback)."},
