@@ -130,9 +130,11 @@ def test_a_layerwise_reload_that_restores_a_stale_view_is_written_twice(each_eng
     assert "action   raised before the write; the data is intact" in err
 
 
-def test_a_load_that_collects_its_weights_while_the_buffer_is_refilled(each_engine: str) -> None:
-    """`dict(weights)` keeps every view it takes: the generator's next refill overwrites them."""
-    result = job("vllm_rollout.py", "collect", engine=each_engine, **ON)
+@pytest.mark.parametrize("shape", ["collect", "stash"])
+def test_a_load_that_keeps_its_weights_while_the_buffer_is_refilled(shape: str, each_engine: str) -> None:
+    """`dict(weights)` keeps every view it takes, and so does a loop stashing each in a dict: the
+    generator's next refill overwrites them."""
+    result = job("vllm_rollout.py", shape, engine=each_engine, **ON)
     assert result.returncode == 1
     err = result.stderr
     assert ("kvguard.MutationError: rollout_model.load_weights['model.embed_tokens.weight'] would be modified in "

@@ -17,6 +17,8 @@ the trainer's weights arrive in buckets through one reused receive buffer and ar
   write in the reload's load, by design: vLLM's post-load transform, an intended writer).
 - collect: a model whose load_weights collects its iterator (`dict(weights)`) while the generator
   refills one bucket region: the views handed out earlier are overwritten before they are loaded.
+- stash: a model whose load_weights takes the items one at a time with a `for` loop but stashes each
+  in a dict to load them all after: the refill overwrites the items it keeps.
 - kept_views: a receive function that keeps views of the buffer for a later load (no clone); the
   next bucket's copy overwrites them (the buffer is known as a receive buffer from the first load on).
 - all_gather: the same receive through `dist.all_gather_single` into the reused buffer
@@ -47,7 +49,7 @@ buffer = torch.empty(BUCKET)
 def buckets():
     """The trainer's weights in buckets of whole tensors: [(name, offset, numel)]; one each, all at
     the buffer's start, for `collect`."""
-    if SHAPE in ("collect", "lazy_refill"):
+    if SHAPE in ("collect", "lazy_refill", "stash"):
         return [[(name, 0, p.numel())] for name, p in trainer.named_parameters()]
     out, current, offset = [], [], 0
     for name, p in trainer.named_parameters():
@@ -108,6 +110,18 @@ class CollectingLlama(LlamaForCausalLM):
         return super().load_weights(collected.items())
 
 
+class StashingLlama(LlamaForCausalLM):
+    """A model whose load_weights stashes every (name, tensor) with a loop, then loads them."""
+
+    def load_weights(self, weights):
+        stash = {}
+        for name, weight in weights:
+            stash[name] = weight
+        return super().load_weights(stash.items())
+
+
+if SHAPE == "stash":
+    rollout_model = StashingLlama()
 if SHAPE == "all_gather":
     import torch.distributed as dist
 
