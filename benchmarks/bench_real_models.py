@@ -25,6 +25,9 @@ environment as a user would (`KVGUARD=raise KVGUARD_TARGETS=autograd,weights pyt
     all             KVGUARD=raise KVGUARD_TARGETS=all (every kind and preset: autograd, weights, data)
     sampled         the same with KVGUARD_SAMPLE=1/100 (the first 3 step intervals are always checked:
                     after the warm-up steps a timed step is checked 1 time in 100)
+    plain-again     no KVGUARD variable, a second plain process: its ratio to plain is what two
+                    identical processes differ by here, the table's resolution (read a sampled
+                    cell against it)
 
 Inside each process the step's CPU time (`time.process_time`) is taken per step after
 warm-up steps, and the process reports the median. A round runs every configuration's
@@ -71,6 +74,7 @@ CONTENDERS: dict[str, tuple[str, str, dict[str, str]] | None] = {
     "weights": ("raise", "weights", {}),
     "all": ("raise", "all", {}),
     "sampled": ("raise", "all", {"KVGUARD_SAMPLE": "1/100"}),
+    "plain-again": ("0", "", {}),  # KVGUARD=0: off, as unset
 }
 DESCRIPTIONS = {
     "gpt2": "transformers GPT-2, AdamW",
@@ -632,7 +636,7 @@ def rollout(rounds: int, repeats: int, only: str | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of: {', '.join(CONFIGS)}")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated; plain is always run")
+    parser.add_argument("--contenders", default=",".join(k for k in CONTENDERS if k != "plain-again"), help="comma-separated; plain is always run")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=STEPS, help="timed steps per process")
     parser.add_argument("--quick", action="store_true", help="gpt2 and llama, 1 round")
