@@ -314,7 +314,9 @@ def _held_tensors(frames: list[types.FrameType], skip: set[int], storages: set[i
         if live is not None and not live:
             continue
         try:
-            names = frame.f_locals if live is None else _frames.frame_names(frame, live)
+            code = frame.f_code  # every variable where liveness is not known; read without pinning the locals
+            names = _frames.frame_names(frame, live if live is not None else (
+                *code.co_varnames, *code.co_cellvars, *code.co_freevars))
         except Exception:  # noqa: BLE001 - a frame that cannot be read holds nothing we name
             continue
         stack: list[tuple[object, int, int]] = []  # (value, its node, its level)

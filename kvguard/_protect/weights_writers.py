@@ -341,7 +341,7 @@ class IntendedWritesSet(ReceivedSet):
         while frame is not None:
             code = frame.f_code
             if code.co_name == "load_state_dict" and code.co_argcount and code.co_varnames[0] == "self":
-                owner = frame.f_locals.get("self")
+                owner = _frames.frame_names(frame, ("self",)).get("self")
                 if id(owner) in modules and issubclass(type(owner), torch.nn.Module):
                     outer = (owner, frame)  # type: ignore[assignment]  # a Module, by the check above
             frame = frame.f_back
