@@ -74,8 +74,9 @@ AUTOGRAD = Kind(
     first_when=lambda moment: f", forward pass {moment}" if moment else "",
 )
 WEIGHTS = Kind(
-    "weights", "every optimizer's parameters and buffers outside its step, and every module's weights after "
-    "its first load_state_dict", ("parameter and buffer", "parameters and buffers"), "watched",
+    "weights", "every optimizer's parameters and buffers outside its step, and every module's weights from its "
+    "first load on (load_state_dict, load_weights, a rollout engine's weight sync), with what a load receives",
+    ("parameter and buffer", "parameters and buffers"), "watched",
     "kvguard._guard.module:ModuleGuard", activation="kvguard._activate.weights",
     moment=Moment("optimizer step", "optimizer steps", "over", "(no optimizer step)"),
     nothing_seen="no parameter or buffer was watched here, so no write was checked",

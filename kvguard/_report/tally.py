@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 SiteKey = tuple[str, int, str]  # (filename, lineno, op)
 # Event kinds a site's exit line counts by name (the others are its writes): how each is said.
 SAID_KINDS = {"reduced_twice": "reduced twice (memory held under several paths, reached again at this line)",
-              "self_overlap": "reading memory it writes (source and destination overlap)"}
+              "self_overlap": "reading memory it writes (source and destination overlap)",
+              "written_twice": "written twice in one load (the second write overwrote what the load had just written)"}
 MAX_SITE_LINES = 20  # exit lines; report files keep every site
 
 
