@@ -13,7 +13,8 @@ on and off, as µs per event:
                 saves its input: pack, unpack and release per saved tensor): `autograd` and `all`
                 against an empty pair of Python `saved_tensors_hooks` (`py hooks`: autograd's own
                 price for any hook on that API), an empty pair of C functions (`c hooks`: the
-                same API with no Python frame, the floor of anything that uses it) and `off`
+                same API with no Python frame, the floor of anything that uses it), both with
+                the write hook installed as kvguard's run, and `off`
     step        one optimizer step over many small parameters (`torch.optim` as the trainer calls
                 it: SGD for-loop, AdamW for-loop, foreach and fused): `weights` and `all` against
                 `idle` and `off`, per parameter
@@ -24,10 +25,11 @@ sample), around a run of events; entering and leaving are not timed. Every conte
 round runs in a child forked from one process that imported torch and built the workloads
 (so `off` is torch as it ships: no hook was ever installed there). Rounds are interleaved
 (the order rotating); a run's time is CPU time with the collector off, a round's figure the
-median of 3 runs after two untimed ones, a cell the median over rounds; µs per event is
-(contender − off) / events, per round, median over rounds.
+median of 3 runs after four untimed ones, a cell the median over rounds; µs per event is
+(contender − off) / events, per round, median over rounds (and beside it, less `idle`: the
+write hook installed with no guard, which every other kvguard contender has too).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_host_work.py              # ~1 min
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_host_work.py              # ~4 min
     PYTHONPATH=. .venv/bin/python benchmarks/bench_host_work.py --quick      # smoke, ~10 s
     PYTHONPATH=. .venv/bin/python benchmarks/bench_host_work.py --only saved --rounds 31
 
@@ -163,16 +165,18 @@ def inplace_run(n: int) -> Callable[[], float]:
     return run
 
 
-def saved_run(k: int) -> tuple[Callable[[], float], int]:
+def saved_run(k: int, chains: int = 1) -> tuple[Callable[[], float], int]:
+    """`chains` chains of `k` sins, each with its backward, per run; (run, tensors saved per run)."""
     w = torch.randn(16, requires_grad=True)
 
     def run() -> float:
         t0 = time.process_time()
-        y = w
-        for _ in range(k):
-            y = y.sin()
-        y.sum().backward()
-        w.grad = None
+        for _ in range(chains):
+            y = w
+            for _ in range(k):
+                y = y.sin()
+            y.sum().backward()
+            w.grad = None
         return time.process_time() - t0
     count = [0]
 
@@ -246,6 +250,7 @@ def step_run(opt: Any, steps: int) -> Callable[[], float]:
 # ── measurement ─────────────────────────────────────────────────────────────────────────────
 
 REPEATS = 3  # timed runs per entry; their median is the round's figure
+WARM = 3  # untimed runs before them
 KIND_WORDS = {"autograd": ("autograd",), "weights": ("weights",), "data": ("data",),
               "all": ("autograd", "weights", "data")}
 
@@ -260,8 +265,9 @@ def measure(rows: dict[str, tuple[Callable[[], float], int, dict[str, Callable[[
     the saved row's `off` read 0.8 µs above `idle`), so `off` must be a process that never had
     one, and the others start from the same state. In the child the contender is entered (its hook
     installed, its guards entered), one untimed run warms it up, the collector runs and is turned
-    off, one more untimed run follows (the first run after a collection pays for the memory it
-    freed), then `REPEATS` timed runs, whose median is the round's figure.
+    off, `WARM` more untimed runs follow (the first runs after a collection pay for the memory it
+    freed, and a forked child's first writes to its heap copy the pages it shares with this
+    process), then `REPEATS` timed runs, whose median is the round's figure.
     """
     out: dict[str, dict[str, list[float]]] = {row: {c: [] for c in enter} for row, (_, _, enter) in rows.items()}
     for r in range(rounds + 1):  # round 0: warm-up, discarded
@@ -289,7 +295,9 @@ def _forked(enter: Callable[[], Any], run: Callable[[], float]) -> float:
                 run()  # untimed: the guard's first look, the hook's first calls
                 gc.collect()
                 gc.disable()
-                run()  # untimed: the first run after a collection pays for the memory it freed
+                for _ in range(WARM):  # untimed: the first runs after a collection pay for the memory it
+                    run()  # freed, and a forked child's first writes to its heap's pages copy them
+
                 seconds = statistics.median(run() for _ in range(REPEATS))
                 gc.enable()
             os.write(write, repr(seconds).encode())
@@ -345,12 +353,14 @@ def main() -> None:
         rows["in-place op, unprotected tensor"] = (
             inplace_run(n), n, contenders(model, opt, ["autograd", "weights", "data", "all"]))
     if "saved" in only:
-        run, saved = saved_run(200 // scale * 2 if args.quick else 400)
-        hooks = {"py hooks": lambda: _with_hook(None, lambda: torch.autograd.graph.saved_tensors_hooks(
+        run, saved = saved_run(40 if args.quick else 400, 1 if args.quick else 5)
+        # The empty pairs run with the write hook installed (idle), as kvguard's do: their figure
+        # less idle's is autograd's price for a default hook, kvguard's less theirs its own.
+        hooks = {"py hooks": lambda: _with_hook("compiled", lambda: torch.autograd.graph.saved_tensors_hooks(
             _py_identity, _py_identity))}
         identity = c_identity()
         if identity is not None:
-            hooks["c hooks"] = lambda: _with_hook(None, lambda: torch.autograd.graph.saved_tensors_hooks(
+            hooks["c hooks"] = lambda: _with_hook("compiled", lambda: torch.autograd.graph.saved_tensors_hooks(
                 identity, identity))
         rows["saved tensor (sin chain + backward)"] = (run, saved, contenders(model, opt, ["autograd", "all"], hooks))
     if "step" in only:
@@ -367,22 +377,24 @@ def main() -> None:
     _hook(None)
     print(f"\n{rounds} rounds, CPU time, collector off during a run, torch {torch.__version__}, one thread; load "
           f"average {load} → {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {time.time() - wall:.0f} s\n")
-    print("| event | contender | µs per event | µs added (vs off) | target | met |")
-    print("|---|---|---|---|---|---|")
+    print("| event | contender | µs per event | µs added (vs off) | vs idle | target | met |")
+    print("|---|---|---|---|---|---|---|")
     raw: dict[str, Any] = {}
     for row, per in figures.items():
-        off = per["off"]
+        off, idle = per["off"], per["idle"]
         target = TARGETS["inplace" if row.startswith("in-place") else "saved" if row.startswith("saved") else "step"]
         for contender, times in per.items():
-            added = [t - o for t, o in zip(times, off)]
             median = statistics.median(times) * 1e6
-            extra = statistics.median(added) * 1e6
+            extra = statistics.median(t - o for t, o in zip(times, off)) * 1e6
+            beyond = statistics.median(t - i for t, i in zip(times, idle)) * 1e6
             kvguard_row = contender in ("idle", *KIND_WORDS)
             met = ("yes" if extra <= target else "no") if kvguard_row else ""
             shown = "—" if contender == "off" else f"{extra:+.2f}"
-            print(f"| {row} | {contender} | {median:.2f} | {shown} | {'≤ ' + str(target) if kvguard_row else ''} "
-                  f"| {met} |")
-            raw.setdefault(row, {})[contender] = {"us": median, "added_us": extra, "rounds": times}
+            shown_idle = "—" if contender in ("off", "idle") else f"{beyond:+.2f}"
+            print(f"| {row} | {contender} | {median:.2f} | {shown} | {shown_idle} | "
+                  f"{'≤ ' + str(target) if kvguard_row else ''} | {met} |")
+            raw.setdefault(row, {})[contender] = {"us": median, "added_us": extra, "beyond_idle_us": beyond,
+                                                  "rounds": times}
     if c_only is not None:
         print(f"\nkvguard's C pack + unpack + release called directly, less a C identity's calls: {c_only:+.2f} µs "
               "per saved tensor (what guard_autograd would add if autograd called C++ default hooks; the `c hooks` "
