@@ -231,13 +231,3 @@ def test_an_older_pth_line_still_activates(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True", "warn"], result.stderr
     assert "not activated" not in result.stderr
-
-
-@pytest.mark.parametrize("old, new", [("kvguard._pytest_plugin", "kvguard._activate.pytest_plugin"),
-                                      ("kvguard._pytest_off", "kvguard._activate.pytest_off")])
-def test_older_pytest_entry_points_load_the_same_plugin(old: str, new: str) -> None:
-    import importlib
-
-    shim, plugin = importlib.import_module(old), importlib.import_module(new)
-    hooks = [name for name in vars(plugin) if name.startswith("pytest_") or name == "mutation_guard"]
-    assert hooks and all(getattr(shim, name) is getattr(plugin, name) for name in hooks)

@@ -23,7 +23,12 @@ from kvguard._config import Sample, guard_defaults
 
 
 def sample() -> Sample:
-    """The process's `KVGUARD_SAMPLE` (every unit when unset)."""
+    """The process's `KVGUARD_SAMPLE` (every unit when unset): as env activation read it at start-up,
+    which a job changing its variables later cannot undo; else as the variable says now."""
+    from kvguard._state import STATE
+
+    if STATE.started and STATE.settings is not None:
+        return STATE.settings.defaults.sample  # type: ignore[no-any-return]
     return guard_defaults().sample
 
 
