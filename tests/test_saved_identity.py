@@ -79,3 +79,50 @@ def test_a_saved_parameter_with_attributes_is_said_once(monkeypatch: pytest.Monk
     assert err.count("kvguard: autograd: a Parameter saved for backward carries Python attributes "
                      "(grad_added_to_main_grad, main_grad); ") == 1, err
     assert "ctx.saved_tensors under saved-tensor hooks" in err
+
+
+class _SavesItsOutput(torch.autograd.Function):
+    """Makes nodes inside its forward (grad enabled there), then saves its output: its node is
+    not the newest when the output is saved."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            (x.detach().requires_grad_() * 2).sum()
+        out = x * 3
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        (out,) = ctx.saved_tensors
+        return grad * 3
+
+
+def _in_place_on_a_view(w: torch.Tensor) -> torch.Tensor:
+    base = w * 1
+    view = base[:2]
+    view.sigmoid_()  # saves its result, a view whose grad_fn autograd remakes after the write
+    return base
+
+
+@pytest.mark.parametrize("make", [
+    lambda w: torch.sigmoid(w * 1),  # saves its output
+    lambda w: (w * 1).exp(),
+    lambda w: (w * 1).sin(),  # saves its input, made by an earlier node
+    lambda w: w.sin(),  # saves a leaf
+    _in_place_on_a_view,
+    _SavesItsOutput.apply,
+], ids=["sigmoid", "exp", "sin-of-intermediate", "sin-of-leaf", "in-place-on-view", "custom-function"])
+def test_what_the_c_pack_keeps_closes_no_cycle(make: Any) -> None:
+    """The C pack keeps a saved input itself (as autograd does without hooks) and an alias of a
+    saved output (its grad_fn is the node saving it: held, it would close a cycle through C++
+    that no collector frees); a graph nobody runs backward on dies with its last tensor."""
+    import weakref
+
+    with kvguard.guard_autograd(action="raise"):
+        w = torch.randn(4, requires_grad=True)
+        out = make(w)
+        gone = weakref.ref(out)
+        del out
+        assert gone() is None

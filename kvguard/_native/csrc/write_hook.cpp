@@ -72,6 +72,8 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 // the ops given unboxed kernels (FastKernel): their typed signatures
@@ -1753,7 +1755,10 @@ constexpr int64_t kNoInt = INT64_MIN;  // read_by / task: None
 
 struct SavedObject {
   PyObject_HEAD
-  at::Tensor tensor;       // detached: the same memory and version counter, no grad_fn
+  at::Tensor tensor;       // what autograd reads back: the tensor saved (an input of the node saving
+                           // it, as autograd keeps one without hooks) or, where holding that could
+                           // close a cycle, an alias detached from it (see keeps_original)
+  at::Tensor detached;     // the detached alias Python reads (`.tensor`), made when first asked
   int64_t version;
   PyObject* code;          // the user's frame's code, its line found when asked (`site`)
   int lasti;
@@ -1787,12 +1792,31 @@ void saved_dealloc(SavedObject* s) {
   Py_CLEAR(s->writes);
   Py_CLEAR(s->burst);
   s->tensor.~Tensor();
+  s->detached.~Tensor();
   Py_TYPE(s)->tp_free((PyObject*)s);
+}
+
+// What detach() makes, without the dispatcher: the same storage, sizes and version counter, no autograd meta.
+at::Tensor detached_alias(const at::Tensor& t) {
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  return at::Tensor(impl->shallow_copy_and_detach(impl->version_counter(), /*allow_tensor_metadata_change=*/true));
 }
 
 PyObject* saved_get_tensor(SavedObject* s, void*) {
   if (!s->tensor.defined()) Py_RETURN_NONE;
-  return THPVariable_Wrap(s->tensor);
+  if (!s->detached.defined()) {
+    try {
+      // Made when Python first asks, maybe inside a dispatch mode (Dynamo's fake tensors judging a
+      // compiled write): shallow_copy_and_detach would hand the copy to the mode, which refuses a
+      // real tensor. No op is anyone's here (the alias is kvguard's), so no mode sees it.
+      c10::impl::ExcludeDispatchKeyGuard no_modes(c10::DispatchKey::Python);
+      s->detached = detached_alias(s->tensor);
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+      return nullptr;
+    }
+  }
+  return THPVariable_Wrap(s->detached);
 }
 
 PyObject* saved_get_version(SavedObject* s, void*) { return PyLong_FromLongLong(s->version); }
@@ -2053,6 +2077,25 @@ PyObject* hooks_gone() {
   return nullptr;
 }
 
+// Whether a Saved may hold `t` itself rather than a detached alias: where `t` is not an output of
+// the node saving it. An output's grad_fn is that node, so a Saved holding it would close a
+// cycle through C++ (tensor -> node -> SavedVariable -> Saved -> tensor) that no collector sees;
+// an input's grad_fn is an earlier node (autograd keeps inputs themselves when no hook is set).
+// The node saving now is the newest on this thread: made just before its inputs are saved,
+// and before its outputs, with no other node made in between where autograd's generated
+// nodes (TraceableFunction) save. A custom Function's node (made before its forward, which
+// may make nodes), a view, and a tensor from another thread's counter get the alias. Holding `t` spares
+// the alias at pack, and at unpack a new Python tensor for it (autograd reads `t`'s own).
+bool keeps_original(const at::Tensor& t) {
+  // A view's grad_fn is remade when its base is written in place (rebase_history makes a
+  // CopySlices after the node writing it): what grad_fn_unsafe reads may be stale.
+  if (t.is_view()) return false;
+  torch::autograd::Node* fn = torch::autograd::impl::grad_fn_unsafe(t);
+  if (fn == nullptr) return true;  // a leaf (a parameter, an input), or a tensor that needs no grad
+  if (dynamic_cast<torch::autograd::TraceableFunction*>(fn) == nullptr) return false;
+  return fn->sequence_nr() + 1 < at::sequence_number::peek();
+}
+
 PyObject* hooks_pack(HooksObject* h, PyObject* obj) {
   if (h->py_pack == nullptr) return hooks_gone();
   if (!h->fast || !packs_in_c(h, obj)) return PyObject_CallOneArg(h->py_pack, obj);
@@ -2064,15 +2107,14 @@ PyObject* hooks_pack(HooksObject* h, PyObject* obj) {
     describe_tensor(t, d, false, 0);
     if (!d.plain || d.stop == 0 || d.inference) return PyObject_CallOneArg(h->py_pack, obj);
     version = (int64_t)t._version();
-    // What detach() makes, without the dispatcher: the same storage, sizes and version counter, no autograd meta.
-    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    alias = at::Tensor(impl->shallow_copy_and_detach(impl->version_counter(), /*allow_tensor_metadata_change=*/true));
+    alias = keeps_original(t) ? t : detached_alias(t);
   } catch (...) {
     return PyObject_CallOneArg(h->py_pack, obj);  // Python copes with what threw
   }
   SavedObject* s = (SavedObject*)saved_type()->tp_alloc(saved_type(), 0);
   if (s == nullptr) return nullptr;
   new (&s->tensor) at::Tensor(std::move(alias));
+  new (&s->detached) at::Tensor();
   s->version = version;
   s->read_by = s->task = kNoInt;
   if (!find_site(h, s)) {
