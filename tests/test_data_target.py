@@ -138,6 +138,60 @@ def test_getitems_names_each_sample_and_the_wrapping_goes_with_the_last_guard() 
     assert GPTDataset.__dict__["__getitem__"] is original and "__kvguard_data__" not in vars(Batched.__getitems__)
 
 
+def test_a_class_defined_inside_the_guard_is_wrapped_and_one_defined_after_it_is_not() -> None:
+    with kvguard.guard_data(action="record") as g:
+        assert "__init_subclass__" in vars(Dataset)
+
+        class Inside(Dataset):  # type: ignore[type-arg]
+            def __getitem__(self, i: int) -> torch.Tensor:
+                return torch.zeros(2)
+
+        Inside()[0].add_(1)
+    assert [e.path for e in g.report.events] == ["Inside[0]"]
+    assert "__init_subclass__" not in vars(Dataset) and "__kvguard_data__" not in vars(Inside.__getitem__)
+
+    class After(Dataset):  # type: ignore[type-arg]
+        def __getitem__(self, i: int) -> torch.Tensor:
+            return torch.zeros(2)
+
+    assert "__kvguard_data__" not in vars(After.__getitem__)
+
+
+def test_every_subclass_is_told_and_the_bases_own_init_subclass_runs_and_comes_back() -> None:
+    """`on_every_subclass`, which the data guard and the weights kind share: the classes so far, the
+    ones defined until the undo (after the base's own `__init_subclass__`, with its keywords)."""
+    from kvguard._torch.patches import on_every_subclass
+
+    class Base:
+        def __init_subclass__(cls, tag: str = "", **kwargs: Any) -> None:
+            super().__init_subclass__(**kwargs)
+            cls.tag = tag  # type: ignore[attr-defined]
+
+    class Old(Base, tag="old"):
+        pass
+
+    class OldChild(Old):
+        pass
+
+    own = vars(Base)["__init_subclass__"]
+    now: list[type] = []
+    later: list[tuple[type, str]] = []
+    undo = on_every_subclass(Base, now.append, later=lambda cls: later.append((cls, cls.tag)))  # type: ignore[attr-defined]
+    assert sorted(c.__name__ for c in now) == ["Old", "OldChild"]
+
+    class New(Base, tag="new"):
+        pass
+
+    assert later == [(New, "new")]
+    undo()
+    assert vars(Base)["__init_subclass__"] is own
+
+    class Newer(Base, tag="newer"):
+        pass
+
+    assert later == [(New, "new")] and Newer.tag == "newer"  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("clone", [False, True], ids=["view", "copy"])
 def test_a_sample_returned_after_a_dropped_one_is_protected_too(clone: bool) -> None:
     """A dropped sample's id is often the next one's (CPython reuses the memory): the next

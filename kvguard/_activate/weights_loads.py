@@ -46,35 +46,20 @@ def install(settings: Settings, torch: Any) -> None:
     of the frameworks as they are imported."""
     import wrapt
 
+    from kvguard._torch.patches import on_every_subclass
+
     _settings[:] = [settings]
-    module_class = torch.nn.Module
-    seen: set[type] = set()
-    todo = list(module_class.__subclasses__())
-    while todo:
-        cls = todo.pop()
-        if cls not in seen:
-            seen.add(cls)
-            _wrap_class(cls)
-            todo += cls.__subclasses__()
-    original = module_class.__dict__.get("__init_subclass__")
-
-    def __init_subclass__(cls: Any, /, **kwargs: Any) -> None:
-        super(module_class, cls).__init_subclass__(**kwargs)
-        try:
-            _wrap_class(cls)
-        except Exception:  # noqa: BLE001 - a debug switch never fails a class definition
-            pass
-
-    module_class.__init_subclass__ = classmethod(__init_subclass__)
-
-    def restore() -> None:
-        if original is None:
-            del module_class.__init_subclass__
-        else:
-            module_class.__init_subclass__ = original
-    STATE.undo.append(restore)
+    STATE.undo.append(on_every_subclass(torch.nn.Module, _wrap_class, later=_wrap_later_class))
     for name, points in by_module().items():
         wrapt.register_post_import_hook(functools.partial(_wrap_points, points), name)
+
+
+def _wrap_later_class(cls: type) -> None:
+    """`_wrap_class` for a class being defined now: a debug switch never fails a class definition."""
+    try:
+        _wrap_class(cls)
+    except Exception:  # noqa: BLE001 - a debug switch never fails a class definition
+        pass
 
 
 def _wrap_class(cls: type) -> None:

@@ -131,30 +131,16 @@ def _wrap_all() -> None:
     """Wrap every Dataset subclass's `__getitem__`/`__getitems__`, and those of classes defined from now on."""
     from torch.utils.data import Dataset
 
-    seen: set[type] = set()
-    todo = list(Dataset.__subclasses__())
-    while todo:
-        cls = todo.pop()
-        if cls not in seen:
-            seen.add(cls)
-            _wrap_class(cls)
-            todo += cls.__subclasses__()
-    original = Dataset.__dict__.get("__init_subclass__")
+    from kvguard._torch.patches import on_every_subclass
 
-    def __init_subclass__(cls: Any, /, **kwargs: Any) -> None:
-        super(Dataset, cls).__init_subclass__(**kwargs)
-        if _active:
-            _wrap_class(cls)
-
-    Dataset.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment,method-assign]
-
-    def restore() -> None:
-        if original is None:
-            del Dataset.__init_subclass__
-        else:
-            Dataset.__init_subclass__ = original  # type: ignore[method-assign]
-    _undo.append(restore)
+    _undo.append(on_every_subclass(Dataset, _wrap_class, later=_wrap_if_active))
     _wrap_loader()
+
+
+def _wrap_if_active(cls: type) -> None:
+    """A Dataset subclass defined now is wrapped while a data guard is active."""
+    if _active:
+        _wrap_class(cls)
 
 
 def _wrap_loader() -> None:

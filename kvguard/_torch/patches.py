@@ -6,7 +6,9 @@ Some writes dispatch no op, so no engine sees them: `torch.utils.swap_tensors`, 
 writes are meant), a c10d `Work.wait()` (its collective wrote outside any op), a call of an
 inductor-compiled graph (its kernels write inputs). While a guard listens, each is wrapped so
 the guard hears of it first. Two more stay for the process once a `guard_autograd` has been
-entered: saved-tensor hooks composed with other hooks, and set aside for `torch.func`.
+entered: saved-tensor hooks composed with other hooks, and set aside for `torch.func`. And a
+method wrapped on every subclass of a torch class (a dataset's `__getitem__`, a model's
+`load_weights`) reaches the classes defined later through the base's `__init_subclass__`.
 """
 
 from __future__ import annotations
@@ -405,3 +407,53 @@ def compose_saved_tensors_hooks(compose: Compose) -> None:
     """
     if not _COMPOSE.listeners:
         _COMPOSE.listen(compose)
+
+
+# -- __init_subclass__ of a torch class -----------------------------------------------------
+# Wrapping a method on every subclass of a torch class (`Dataset.__getitem__`, a model's
+# `load_weights`) reaches the classes defined so far by walking `__subclasses__()`, and those
+# defined later through the base's `__init_subclass__`: while anyone listens, it is kvguard's,
+# which runs the base's own (or the inherited one) and then tells the listeners of the class.
+
+SubclassListener = Callable[[type], None]
+_SUBCLASSES: dict[type, Patch[SubclassListener]] = {}  # base -> its patch, made on first use
+_SUBCLASSES_LOCK = threading.Lock()
+
+
+def _wrap_init_subclass(base: Any) -> Callable[[Any, list[SubclassListener]], object]:
+    def wrap(original: object, listeners: list[SubclassListener]) -> object:
+        own = vars(base).get("__init_subclass__")  # the base's own (a classmethod), None where inherited
+
+        def __init_subclass__(cls: Any, /, **kwargs: Any) -> None:
+            if isinstance(own, classmethod):
+                own.__func__(cls, **kwargs)
+            else:
+                super(base, cls).__init_subclass__(**kwargs)
+            for listener in list(listeners):
+                listener(cls)
+        return classmethod(__init_subclass__)
+    return wrap
+
+
+def on_every_subclass(base: type, wrap: SubclassListener,
+                      later: Optional[SubclassListener] = None) -> Callable[[], None]:
+    """Call `wrap(cls)` once for every subclass of `base` defined so far (the whole tree under
+    it), then `later(cls)` (default: `wrap`) for each subclass defined from now on, as it is
+    defined, until the undo this returns. An error raised by `wrap` or `later` propagates: a
+    caller that must not fail a class definition swallows it in `later`.
+
+    `base.__init_subclass__` is kvguard's while anyone listens on `base` (one patch per base,
+    installed with the first listener, put back as it was with the last one's undo)."""
+    seen: set[type] = set()
+    todo: list[type] = list(base.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        if cls not in seen:
+            seen.add(cls)
+            wrap(cls)
+            todo += cls.__subclasses__()
+    with _SUBCLASSES_LOCK:
+        patch = _SUBCLASSES.get(base)
+        if patch is None:
+            patch = _SUBCLASSES[base] = Patch(lambda: base, "__init_subclass__", _wrap_init_subclass(base))
+    return patch.listen(later if later is not None else wrap)
