@@ -66,6 +66,7 @@ setup(
     cmdclass=cmdclass,
     # Optional: without a compiler the package installs and uses the same check in Python.
     ext_modules=[Extension("kvguard._native.speedups", ["kvguard/_native/csrc/speedups.c"], optional=True),
+                 Extension("kvguard._native.stores", ["kvguard/_native/csrc/stores.c"], optional=True),
                  Extension("kvguard._native.digest", ["kvguard/_native/csrc/digest.c"], optional=True,
                            extra_compile_args=["-O3"])],
 )

@@ -52,7 +52,9 @@ what each step writes. Per protected entry it expects:
 A tensor placed inside the guard is protected from kvguard's next look: at the full level
 the next op that writes anything in the guarded thread (here: an `op` or `set_` step, or a
 `share_memory_()`, which copies through dispatched ops), a `torch.utils.swap_tensors` that
-re-points an entry (its report looks), at both levels the next boundary.
+re-points an entry (its report looks), at both levels the next boundary. Where the
+interpreter tells of the store itself (Python 3.12+ dict watchers: dicts, and attribute
+stores that go through an instance dict, `heard`), it is protected from that store on.
 
 Every program runs four times, each on a fresh universe: `level="full"` and
 `level="light"`, each under `action="record"` and `action="raise"` (where a boundary that
@@ -77,6 +79,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import dataclasses
+import functools
 import gc
 import itertools
 import os
@@ -92,6 +95,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import kvguard
+from kvguard._protect import stores as _stores
+from kvguard._protect.stores import AVAILABLE as STORES_HEARD
 
 EXAMPLES = int(os.environ.get("KVGUARD_HYPOTHESIS_EXAMPLES", "300"))
 QUICK_EXAMPLES = int(os.environ.get("KVGUARD_HYPOTHESIS_QUICK_EXAMPLES", "50"))
@@ -334,6 +339,32 @@ class Tree:
         if kind in ("ns", "dc"):
             return f"{prefix}.{name} = {name}"
         return f"{prefix}.append({name})"
+
+
+@functools.lru_cache(maxsize=None)
+def heard(kind: str) -> bool:
+    """Whether this interpreter tells kvguard of a store into a container of `kind` as it is made
+    (dict watchers, Python 3.12+: dicts, and the instance dicts that attribute stores go through)."""
+    if not STORES_HEARD or kind not in ("dict", "odict", "ns", "dc"):
+        return False
+    container = {"dict": dict, "odict": collections.OrderedDict, "ns": types.SimpleNamespace,
+                 "dc": _Probe}[kind]()
+    own = container if isinstance(container, dict) else object.__getattribute__(container, "__dict__")
+    told: list[object] = []
+    _stores.listen(own, told.append)
+    try:
+        if isinstance(container, dict):
+            container["x"] = []
+        else:
+            container.y = []
+    finally:
+        _stores.unlisten(own, told.append)
+    return bool(told)
+
+
+@dataclasses.dataclass
+class _Probe:
+    y: int = 0
 
 
 def render_universe(u: Universe) -> list[str]:
@@ -701,8 +732,12 @@ class Runner:
             return
         if kind == "place":
             self.tree.place(step.name, env[step.name])
-            self.pending.append(step.name)
-            self.verdicts[k] = f"protected from the next look on, as {self.path(step.name)}"
+            if heard(self.tree.holder[step.name][0]):  # digested as it is stored (Python 3.12+)
+                self.protect([step.name])
+                self.verdicts[k] = f"protected from its store on, as {self.path(step.name)}"
+            else:
+                self.pending.append(step.name)
+                self.verdicts[k] = f"protected from the next look on, as {self.path(step.name)}"
             self.expect_no_event(k, lambda: None)
             return
         ts = [build_target(env, tg) for tg in step.targets]

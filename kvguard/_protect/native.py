@@ -165,6 +165,7 @@ class NativeSet(ProtectedSet):
         self._identity_rows = False  # some row has no readable memory: writes are matched by identity
         self._swept_at = self._live_at_sweep = 0  # rows, and rows alive, when last swept
         self._watcher = Watcher(root, name, keys, ignore, runs=True)
+        self._hear_stores(fingerprint)
         self._dirty = False
         self._walk: tuple[int, dict[int, list[str]]] = (0, {})  # the last full walk (`_scan_now`)
         self._applied: set[int] = set()  # rows whose entry took its paths from that walk
@@ -229,10 +230,18 @@ class NativeSet(ProtectedSet):
         if not table.summary(first)[1]:
             self._identity_rows = True
         adopted = self._adopt_python(python) if python else []
+        if self._stored_digests:
+            self._as_stored([self._entry(row) for row in range(first, first + count)
+                             if id(table.tensor(row)) in self._stored_digests])
         if len(table) - self._swept_at > self._live_at_sweep + _SWEEP_EVERY:  # O(1) a row, amortized
             self._sweep()
         del found
         return _Added(first, adopted)
+
+    def _as_stored(self, entries: Sequence[Entry]) -> None:
+        super()._as_stored(entries)
+        for entry in entries:  # where a row was placed is kept by row
+            self._placed[cast(RowEntry, entry).row] = entry.placed_at
 
     def _adopt_python(self, rows: list[int]) -> list[Entry]:
         """Records and digests for the new rows the table left to Python (few, as a rule)."""
@@ -308,6 +317,7 @@ class NativeSet(ProtectedSet):
             return self._scan_now(frames)
         added = self._add_rows(leaves, frames) if leaves else None
         del leaves
+        self._placed_all()
         if added is not None:
             self._rebuild_index(added)
         else:
@@ -325,6 +335,7 @@ class NativeSet(ProtectedSet):
             for position, row in again:
                 walked.setdefault(row, []).append(leaves[position].path)
         self._took(first, _new_only(leaves, again), python, frames)
+        self._placed_all()
         self._walk = (first, walked)
         self._applied = set()
         del leaves
@@ -550,8 +561,8 @@ class NativeSet(ProtectedSet):
     def boundary_changes(self, caller: Optional[types.FrameType], rescan: bool = True) -> list[Change]:
         """`ProtectedSet.boundary_changes`; without `rescan` (the exit), a look at the containers
         that changed walks only what was placed, not the whole object again."""
-        if self.final and not rescan:
-            return self._final_changes()
+        if self.final and not rescan and not self._stored_digests:
+            return self._final_changes()  # else what was placed has values to compare: rows first
         frames = list(_frames.user_frames(caller)) if caller is not None else None
         if rescan:
             self._scan(frames)

@@ -9,6 +9,7 @@ says which entries a write touches.
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 import weakref
@@ -20,6 +21,7 @@ from kvguard._protect import digest as _digest
 from kvguard._protect import frames as _frames
 from kvguard._protect import placements as _placements
 from kvguard._protect import records as _records
+from kvguard._protect import stores as _stores
 from kvguard._protect import tree as _tree
 from kvguard._protect.collector import collector_paused
 from kvguard._protect.contract import Added, Capabilities, Protected, Publisher, SnapshotPairs
@@ -45,6 +47,7 @@ class ProtectedSet(Capabilities):
         self._entries: dict[int, Entry] = {}
         self._memory = MemoryIndex()  # which entries a write touches
         self._watcher = Watcher(root, name, keys, ignore)  # where placements show
+        self._hear_stores(fingerprint)
         self._dirty = False  # a protected tensor died: forget it before the next write is judged
         self._reached: dict[int, Union[str, list[str]]] = {}  # id -> path(s) that reached each tensor at the last full walk
         self._reach_applied = True  # entries' aliases and `detached` agree with `_reached`
@@ -58,6 +61,50 @@ class ProtectedSet(Capabilities):
         self._at_entry = set(self._entries)
 
     # -- placement -------------------------------------------------------------------
+
+    def _hear_stores(self, fingerprint: bool) -> None:
+        """Digest what is stored into the guarded dicts as it is stored, where the interpreter tells
+        (`stores`): with no digest to compare (fingerprints off) there is nothing to take early."""
+        # id -> (tensor, its digest when stored, where): read by the look that protects it, then dropped.
+        self._stored_digests: dict[int, tuple[torch.Tensor, _digest.Digest, Optional[str]]] = {}
+        if fingerprint and _stores.AVAILABLE:
+            self._watcher.on_store = self._stored
+
+    def _stored(self, value: object) -> None:
+        """A value is being stored into a guarded dict: digest the tensors in it not protected yet,
+        and note the statement storing it (the frame running now: no source to search later)."""
+        if isinstance(value, torch.Tensor):
+            tensors = [value]
+        else:
+            found, _ = _tree.walk(value, "", torch.Tensor)
+            tensors = [leaf.tensor for leaf in cast("list[_tree.Leaf]", found)]
+        pending = self._stored_digests
+        new = [t for t in tensors if id(t) not in pending and self.entry_of(t) is None]
+        if not new:
+            return
+        line = _frames.first_user_line(sys._getframe(1))
+        site = f"{os.path.basename(line[0])}:{line[1]}" if line is not None else None
+        for tensor, digest in zip(new, _digest.digests(new)):
+            pending[id(tensor)] = (tensor, digest, site)
+
+    def _as_stored(self, entries: Sequence[Entry]) -> None:
+        """Entries just made for placed tensors start from the values they were stored with, where
+        those were digested (`_stored`): a change since then, by any writer, is found next. Their
+        placement is the statement that stored them."""
+        pending = self._stored_digests
+        for entry in entries:
+            tensor = entry.ref()
+            stored = pending.get(id(tensor)) if tensor is not None else None
+            if stored is None or stored[0] is not tensor:
+                continue
+            if not _digest.same_all([entry.digest], [stored[1]])[0]:
+                entry.digest = stored[1]
+            if stored[2] is not None:
+                entry.placed_at = stored[2]
+
+    def _placed_all(self) -> None:
+        """A placement pass is over: the digests taken at stores it read are no longer needed."""
+        self._stored_digests.clear()
 
     def written_entries(self, written: Sequence[torch.Tensor], kind: str, resizes: bool = False) -> list[Entry]:
         """The entries any of `written` touches, after protecting newly placed tensors.
@@ -136,6 +183,7 @@ class ProtectedSet(Capabilities):
                 new.append(leaf)
         added = self._add(new, frames) if new else []
         del leaves, new
+        self._placed_all()
         self._rebuild_index(added)  # the hook learns the new memory and what to compare now
 
     def settle(self) -> None:
@@ -266,6 +314,7 @@ class ProtectedSet(Capabilities):
                 paths.append(leaf.path)
         if new:
             self._add(new, frames)
+        self._placed_all()
         self._reached = reached  # aliases and `detached` are read from it when a report needs them
         self._reach_applied = False
         if leaves:
@@ -297,6 +346,8 @@ class ProtectedSet(Capabilities):
             entry = entries[id(leaf.tensor)] = Entry(leaf.path, record, weakref.ref(leaf.tensor, on_death), placed_at)
             added.append(entry)
         self.protected_count += len(leaves)
+        if self._stored_digests:
+            self._as_stored(added)
         return added
 
     # -- values ----------------------------------------------------------------------

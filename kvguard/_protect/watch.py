@@ -17,6 +17,7 @@ from typing import Collection, Hashable, Optional, Sequence, Union
 
 import torch
 
+from kvguard._protect import stores as _stores
 from kvguard._protect import tree as _tree
 from kvguard._protect.contract import SnapshotPairs
 
@@ -62,6 +63,9 @@ class Watcher:
         self.grown = 0  # containers added to the watch since the last full walk
         self.partial = False  # placements were walked in part since the last full walk
         self.keys_seen: set[Hashable] = set()  # top-level keys (or indices) the root ever held
+        # Told each value stored into a watched dict as it is stored (`stores`: Python 3.12+), if set.
+        self.on_store: Optional[_stores.Listener] = None
+        self._listened: dict[int, dict[object, object]] = {}  # the dicts `on_store` hears from
 
     def walk_all(self) -> Found:
         """Every tensor reachable from the guarded object, each path once (leaves, or runs); the
@@ -72,7 +76,27 @@ class Watcher:
                                         top_keys=self.keys_seen, seen=self.walked, owners=self.owners,
                                         runs=self.runs)
         self.segments = _segments(containers)
+        self._listen(containers, again=True)
         return leaves
+
+    def _listen(self, containers: Sequence[_tree.Container], again: bool = False) -> None:
+        """Hear of stores into the dicts among `containers` (`again`: those alone, the others no more)."""
+        if self.on_store is None or not _stores.AVAILABLE:
+            return
+        dicts = {id(c): c for c in containers if isinstance(c, dict)}
+        if again:
+            for key in [key for key in self._listened if key not in dicts]:
+                _stores.unlisten(self._listened.pop(key), self.on_store)
+        for key, d in dicts.items():
+            if key not in self._listened:
+                self._listened[key] = d
+                _stores.listen(d, self.on_store)
+
+    def _unlisten_all(self) -> None:
+        if self.on_store is not None:
+            for d in self._listened.values():
+                _stores.unlisten(d, self.on_store)
+        self._listened = {}
 
     def changed(self) -> bool:
         """Whether a watched container holds other values than at the last look."""
@@ -149,6 +173,7 @@ class Watcher:
             else:  # a container grown to a segment's size leaves its group: its appends are then the case above
                 segments[i:i + 1] = _segments(_parts(snap))
         segments += _segments(grown)
+        self._listen(grown)
         self.partial = True
         return leaves
 
@@ -170,9 +195,11 @@ class Watcher:
         self.segments = []
         self.owners, self.walked = {}, {}
         self.partial = False
+        self._unlisten_all()
 
     def close(self) -> None:
         """Drop every reference to the guarded object and its containers."""
         self.segments = []
         self.owners, self.walked = {}, {}
         self.root = None
+        self._unlisten_all()
