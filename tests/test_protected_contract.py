@@ -62,7 +62,8 @@ def test_the_contract_names_what_the_guard_the_judge_and_the_engines_use() -> No
     assert {"written_entries", "publish", "boundary_changes", "values_only", "holds_weights", "unprotected",
             "graphs", "steps", "on_index", "final", "attach_backend", "attach_hook", "findings"} <= set(MEMBERS)
     # Each capability has a plain guard's answer in `Capabilities`, and is a read-only member of the contract.
-    for name in ("judges_uncounted", "values_only", "holds_weights", "counter_only", "graphs", "steps", "unprotected"):
+    for name in ("judges_uncounted", "values_only", "holds_weights", "counter_only", "graphs", "steps", "unprotected",
+                 "buffer_count"):
         assert hasattr(Capabilities, name) and isinstance(MEMBERS[name], property), name
 
 

@@ -102,6 +102,7 @@ def _name_of(module: Any, frame: Any) -> str:
 
 def buffers_now() -> int:
     """The receive buffers the weights set has watched so far (for the exit line)."""
+    from kvguard._guard.module import ModuleGuard
+
     guard = STATE.kinds.get(WEIGHTS.word)
-    count = getattr(getattr(guard, "_protected", None), "buffer_count", None)
-    return count if isinstance(count, int) else 0
+    return guard.buffer_count if isinstance(guard, ModuleGuard) else 0

@@ -128,6 +128,11 @@ class ModuleGuard(Guard):
             self._unwrap.append(_patches.on_load_state_dict(loaded))
         return self
 
+    @property
+    def buffer_count(self) -> int:
+        """The receive buffers its set has watched for refills so far (0 outside the guard)."""
+        return self._protected.buffer_count if self._protected is not None else 0
+
     def add_optimizer(self, optimizer: Optimizer, modules: Modules, loose: Loose) -> None:
         """An optimizer made while the guard is active (KVGUARD_TARGETS=weights): its weights from now
         on, until it is freed (unless something else holds them too)."""

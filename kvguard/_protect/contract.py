@@ -73,6 +73,11 @@ class Capabilities:
     steps = 0  # optimizer steps the set stepped aside for (the weights')
     unprotected = 0  # stretches it could not protect, under other saved-tensor hooks (autograd's)
 
+    @property
+    def buffer_count(self) -> int:
+        """Receive buffers watched for refills so far (the weights' on a rollout engine's side)."""
+        return 0
+
     def attach_backend(self, backend: Optional[Publisher]) -> None:
         """The write-hook backend this set's guard is attached to (None: detached). Only a set that
         publishes what it protects as it arrives (autograd's packs) keeps it."""
@@ -112,6 +117,9 @@ class Protected(Protocol):
 
     @property
     def unprotected(self) -> int: ...
+
+    @property
+    def buffer_count(self) -> int: ...
 
     def attach_backend(self, backend: Optional[Publisher]) -> None: ...
 
