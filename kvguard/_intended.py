@@ -190,16 +190,17 @@ WRITERS: tuple[Writer, ...] = (
         "the module's running_mean, running_var and num_batches_tracked, in each training forward",
         "a module's own forward updating its own buffers (also: quantization observers' ranges, an Embedding "
         "with max_norm renormalising its weight)", how="rule",
-        where="kvguard._protect.weights.ModuleSet._intended (the writing op's stack); at level light, "
-              "kvguard._torch.training.updates_own_buffers (their fingerprints are taken again, not compared)"),
+        where="kvguard._protect.weights_writers.IntendedWritesSet._intended (the writing op's stack); "
+              "at level light, kvguard._torch.training.updates_own_buffers (their fingerprints are taken again, "
+              "not compared)"),
     Writer(
         "spectral norm's power iteration", WEIGHTS, "torch", ">=2.4,<3", "2.13.0",
         ("torch.nn.utils.spectral_norm:SpectralNorm.__call__", "torch.nn.utils.parametrizations:_SpectralNorm.forward"),
         "weight_u and weight_v (torch.nn.utils.spectral_norm), _u and _v (parametrizations.spectral_norm), "
         "in each training forward",
         "the classic spectral_norm updates its vectors in a forward pre-hook, the parametrized one in its forward",
-        how="rule", where="kvguard._protect.weights.ModuleSet._intended (a forward hook of the module writing "
-                          "its buffers); at level light, kvguard._torch.training.updates_own_buffers"),
+        how="rule", where="kvguard._protect.weights_writers.IntendedWritesSet._intended (a forward hook of the "
+                          "module writing its buffers); at level light, kvguard._torch.training.updates_own_buffers"),
     Writer(
         "rrelu's noise", AUTOGRAD, "torch", ">=2.4,<3", "2.13.0",
         ("torch.nn.functional:rrelu", "torch.nn.modules.activation:RReLU.forward"),

@@ -248,6 +248,32 @@ def test_weights_writers_are_not_autograd_writers_and_the_reverse() -> None:
     assert {w.name for w in _intended.scopes("autograd")} == {"torch.autograd.gradcheck perturbation"}
 
 
+def test_each_rules_where_names_code_kvguard_has_where_it_says() -> None:
+    """A rule's `where` names kvguard's code as `module.Class.attribute`: each resolves, and a
+    method is one its class defines itself (not inherits: the name says where to read it)."""
+    import importlib
+    import re
+
+    for writer in _intended.WRITERS:
+        for dotted in re.findall(r"kvguard(?:\.\w+)+", writer.where or ""):
+            parts = dotted.split(".")
+            cut = next(n for n in range(len(parts), 0, -1) if _importable(".".join(parts[:n])))
+            owner: Any = importlib.import_module(".".join(parts[:cut]))
+            for name in parts[cut:]:
+                assert name in vars(owner), f"{writer.name}: {dotted}: {name} is not defined in {owner!r}"
+                owner = vars(owner)[name]
+
+
+def _importable(name: str) -> bool:
+    import importlib
+
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
 def test_the_table_names_functions_the_installed_torch_has() -> None:
     import intended_table
 
