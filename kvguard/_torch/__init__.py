@@ -20,11 +20,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-# Names read from this package itself rather than from their module. The compiled hook's
-# `install()` reads the undeclared-write tables (`read_extra_writes` in
-# `_native/csrc/write_hook.cpp`); `kvguard/_protect/weights.py` still reads four names of
-# the one-file fence (its owner moves it to `tensors` and `training`; then they go).
-_MOVED = {"_UNDECLARED_WRITES": "ops", "_C10D_WRITTEN_NAMES": "ops", "PLAIN": "tensors", "same_elements": "tensors",
+# Names of the one-file fence, still read from this package itself rather than from their
+# module (`kvguard/_protect/weights.py` read them; it now imports `tensors` and `training`).
+# The compiled hook reads the undeclared-write tables from `ops` itself.
+_MOVED = {"PLAIN": "tensors", "same_elements": "tensors",
           "updates_own_buffers": "training", "module_apply_kind": "training"}
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 // One boxed kernel is stacked on the ADInplaceOrView dispatch key of every operator overload
 // whose schema writes an argument (`Tensor(a!)`, `Tensor(a!)?`, `Tensor(a!)[]`), in every
 // namespace registered when install() runs, plus the writes schemas do not declare that
-// kvguard._torch lists (batch norm's running statistics when training, c10d's in-place
+// kvguard._torch.ops lists (batch norm's running statistics when training, c10d's in-place
 // collectives). ADInplaceOrView is in the default TLS include
 // set and is where torch bumps version counters, so every in-place and `out=` call passes it;
 // ops that write nothing never reach this code. For the ops training code writes most (see
@@ -1035,11 +1035,12 @@ bool read_strings(PyObject* obj, std::vector<std::string>* out, const char* what
 }
 
 // `undeclared`: {op name: (param names, condition param or None)}; `c10d_names`: names.
-// None for either reads it from kvguard._torch (empty if that cannot be imported).
+// None for either reads it from kvguard._torch.ops, which defines both (empty if that cannot be
+// imported).
 bool read_extra_writes(PyObject* undeclared, PyObject* c10d_names, ExtraWrites* out) {
   PyObject* torch_module = nullptr;
   if (undeclared == Py_None || c10d_names == Py_None) {
-    torch_module = PyImport_ImportModule("kvguard._torch");
+    torch_module = PyImport_ImportModule("kvguard._torch.ops");
     if (torch_module == nullptr) PyErr_Clear();
   }
   PyObject* owned_undeclared = nullptr;
