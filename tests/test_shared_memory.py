@@ -155,7 +155,7 @@ def test_a_collective_never_waited_for_is_reported_at_the_boundary(tmp_path: Any
 
 
 TWO_RANKS = """
-import json, os, sys, warnings, torch, torch.distributed as dist, kvguard
+import json, os, sys, time, warnings, torch, torch.distributed as dist, kvguard
 
 def main(rank, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -177,6 +177,17 @@ def main(rank, port):
         work.wait()
     out["async"] = [(e.path, e.kind, e.before, e.after, e.diff) for e in g.report.events]
     out["pending_before_wait"] = pending
+    big = torch.full((1_000_000,), float(rank + 1))
+    rd = {}
+    with kvguard.guard(rd, name="rd", action="record") as g:
+        if rank == 1:
+            time.sleep(0.3)  # rank 0's collective is still running when it places and looks
+        work = dist.all_reduce(big, async_op=True)
+        rd["sum"] = big  # placed before the collective completed: not a change to what was placed
+        torch.zeros(1).add_(1)  # a look
+        work.wait()
+        dist.all_reduce(rd["sum"])  # a collective after the placement: a write to it
+    out["in_flight"] = [(e.path, e.kind) for e in g.report.events]
     sys.stdout.write(json.dumps(out) + "\\n")
     sys.stdout.flush()
     dist.barrier()
@@ -211,5 +222,6 @@ def test_collectives_on_two_gloo_processes(tmp_path: Any, engine: str) -> None:
         ((path, kind, before, after, diff),) = r["async"]
         assert (path, kind, before, after) == ("rd['t']", "write", f"[{0.25 + r['rank']}]", "[1.5]")
         assert r["pending_before_wait"] == 0
+        assert r["in_flight"] == [["rd['sum']", "write"]]  # the collective after the placement alone
     assert result.stderr.count("was reduced in place a second time by") == 2, result.stderr  # a panel per rank
     assert "the same memory as metrics['acc_copy']" in result.stderr

@@ -175,6 +175,7 @@ class NativeSet(ProtectedSet):
         self._compiled = module
         self._scan(frames=None)
         self._entry_rows = len(self._table)  # the rows of what the object held at entry; placed ones follow
+        self._hear_waits(fingerprint)
 
     # -- rows --------------------------------------------------------------------------
 
@@ -608,6 +609,7 @@ class NativeSet(ProtectedSet):
     # -- exit ----------------------------------------------------------------------------
 
     def close(self) -> None:
+        self._stop_hearing()
         self._table.clear()
         self._made.clear()
         self._paths, self._placed = [], []

@@ -28,6 +28,16 @@ from kvguard._protect.contract import Added, Capabilities, Protected, Publisher,
 from kvguard._protect.entries import Change, Entry, StrongRef
 from kvguard._protect.index import MemoryIndex
 from kvguard._protect.watch import Watcher
+from kvguard._torch import patches as _patches
+from kvguard._torch import tensors as _tensors
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    """Which storage a tensor views (its own id where it has none to read)."""
+    try:
+        return _tensors.storage_identity(tensor)
+    except Exception:  # noqa: BLE001 - no storage (a subclass): never taken for another's
+        return -id(tensor)
 
 
 class ProtectedSet(Capabilities):
@@ -59,6 +69,7 @@ class ProtectedSet(Capabilities):
         self._at_entry: Optional[set[int]] = None  # ids of the tensors the object held at entry
         self._scan(frames=None)
         self._at_entry = set(self._entries)
+        self._hear_waits(fingerprint)
 
     # -- placement -------------------------------------------------------------------
 
@@ -69,6 +80,31 @@ class ProtectedSet(Capabilities):
         self._stored_digests: dict[int, tuple[torch.Tensor, _digest.Digest, Optional[str]]] = {}
         if fingerprint and _stores.AVAILABLE:
             self._watcher.on_store = self._stored
+        self._unhear_waits: Optional[Callable[[], None]] = None
+
+    def _hear_waits(self, fingerprint: bool) -> None:
+        """Once the object is walked: hear collectives complete, if tensors can be placed into it.
+
+        A tensor placed while a collective still wrote it (`all_reduce(t, async_op=True)`, then
+        `rd["t"] = t`, then `wait()`) was digested before the collective's values landed.
+        """
+        if fingerprint and self.lets_go_of_what_left and self._watcher.watching:
+            self._unhear_waits = _patches.on_work_wait(self._waited)
+
+    def _waited(self, outputs: Optional[list[torch.Tensor]]) -> None:
+        """A c10d collective completed (`Work.wait()` returned): the tensors placed during the guard that
+        it wrote, begun before they were protected (a write after is judged at its op), start from
+        their values now; those not looked at yet are digested at their look."""
+        if not outputs:
+            return
+        storages = {_storage(t) for t in outputs}
+        pending = self._stored_digests
+        for key in [k for k, (t, _, _) in pending.items() if _storage(t) in storages]:
+            del pending[key]
+        placed = [e for t in outputs for e in self.hits(t) if self._placed_here(e)]
+        if placed:
+            for entry, digest in zip(placed, _digest.digests([e.ref() for e in placed])):
+                entry.digest = digest
 
     def _stored(self, value: object) -> None:
         """A value is being stored into a guarded dict: digest the tensors in it not protected yet,
@@ -101,6 +137,14 @@ class ProtectedSet(Capabilities):
                 entry.digest = stored[1]
             if stored[2] is not None:
                 entry.placed_at = stored[2]
+
+    def _stop_hearing(self) -> None:
+        """No more stores or collectives' completions told to this set (at its close)."""
+        self._watcher.on_store = None
+        self._stored_digests.clear()
+        undo, self._unhear_waits = self._unhear_waits, None
+        if undo is not None:
+            undo()
 
     def _placed_all(self) -> None:
         """A placement pass is over: the digests taken at stores it read are no longer needed."""
@@ -519,6 +563,7 @@ class ProtectedSet(Capabilities):
 
     def close(self) -> None:
         """Drop every reference: the guard keeps nothing alive once it exits."""
+        self._stop_hearing()
         self._entries.clear()
         self._memory.clear()
         self._watcher.close()
