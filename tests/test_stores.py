@@ -172,3 +172,21 @@ def test_without_fingerprints_nothing_is_taken_early() -> None:
     with kvguard.guard(rd, name="rd", action="record", fingerprint=False):
         assert not stores._listeners
         rd["t"] = torch.zeros(2)
+
+
+@needs_watchers
+def test_a_guard_left_by_an_exception_unwatches_its_dicts_and_keeps_nothing_alive() -> None:
+    import gc
+    import weakref
+
+    rd: dict[str, Any] = {"a": torch.zeros(2), "inner": {"b": torch.zeros(1)}}
+    placed = torch.zeros(3)
+    with pytest.raises(ValueError):
+        with kvguard.guard(rd, name="rd", action="record"):
+            rd["t"] = placed
+            raise ValueError("the user's own error")
+    assert not stores._listeners
+    ref = weakref.ref(placed)
+    del rd, placed
+    gc.collect()
+    assert ref() is None, "the placed tensor outlived the guard"

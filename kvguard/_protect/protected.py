@@ -81,14 +81,21 @@ class ProtectedSet(Capabilities):
         if fingerprint and _stores.AVAILABLE:
             self._watcher.on_store = self._stored
         self._unhear_waits: Optional[Callable[[], None]] = None
+        self._waits_wanted = False  # set once the object is walked (`_hear_waits`)
 
     def _hear_waits(self, fingerprint: bool) -> None:
-        """Once the object is walked: hear collectives complete, if tensors can be placed into it.
+        """Once the object is walked: hear collectives complete from the first placement on.
 
         A tensor placed while a collective still wrote it (`all_reduce(t, async_op=True)`, then
-        `rd["t"] = t`, then `wait()`) was digested before the collective's values landed.
+        `rd["t"] = t`, then `wait()`) was digested before the collective's values landed. Heard
+        from the first placement only: a guard nothing is placed into (a decorated function
+        called a thousand times) never patches `Work.wait`.
         """
-        if fingerprint and self.lets_go_of_what_left and self._watcher.watching:
+        self._waits_wanted = fingerprint and self.lets_go_of_what_left
+
+    def _placing(self) -> None:
+        """Something is placed: hear collectives complete from now on, if wanted and not yet."""
+        if self._waits_wanted and self._unhear_waits is None:
             self._unhear_waits = _patches.on_work_wait(self._waited)
 
     def _waited(self, outputs: Optional[list[torch.Tensor]]) -> None:
@@ -118,6 +125,7 @@ class ProtectedSet(Capabilities):
         new = [t for t in tensors if id(t) not in pending and self.entry_of(t) is None]
         if not new:
             return
+        self._placing()
         line = _frames.first_user_line(sys._getframe(1))
         site = f"{os.path.basename(line[0])}:{line[1]}" if line is not None else None
         for tensor, digest in zip(new, _digest.digests(new)):
@@ -142,12 +150,14 @@ class ProtectedSet(Capabilities):
         """No more stores or collectives' completions told to this set (at its close)."""
         self._watcher.on_store = None
         self._stored_digests.clear()
+        self._waits_wanted = False
         undo, self._unhear_waits = self._unhear_waits, None
         if undo is not None:
             undo()
 
     def _placed_all(self) -> None:
         """A placement pass is over: the digests taken at stores it read are no longer needed."""
+        self._placing()
         self._stored_digests.clear()
 
     def written_entries(self, written: Sequence[torch.Tensor], kind: str, resizes: bool = False) -> list[Entry]:

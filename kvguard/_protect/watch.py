@@ -65,7 +65,7 @@ class Watcher:
         self.keys_seen: set[Hashable] = set()  # top-level keys (or indices) the root ever held
         # Told each value stored into a watched dict as it is stored (`stores`: Python 3.12+), if set.
         self.on_store: Optional[_stores.Listener] = None
-        self._listened: dict[int, dict[object, object]] = {}  # the dicts `on_store` hears from
+        self._listened: dict[int, tuple[dict[object, object], _stores.Listener]] = {}  # id -> (dict, who hears it)
 
     def walk_all(self) -> Found:
         """Every tensor reachable from the guarded object, each path once (leaves, or runs); the
@@ -81,21 +81,21 @@ class Watcher:
 
     def _listen(self, containers: Sequence[_tree.Container], again: bool = False) -> None:
         """Hear of stores into the dicts among `containers` (`again`: those alone, the others no more)."""
-        if self.on_store is None or not _stores.AVAILABLE:
+        listener = self.on_store
+        if listener is None or not _stores.AVAILABLE:
             return
         dicts = {id(c): c for c in containers if isinstance(c, dict)}
         if again:
             for key in [key for key in self._listened if key not in dicts]:
-                _stores.unlisten(self._listened.pop(key), self.on_store)
+                _stores.unlisten(*self._listened.pop(key))
         for key, d in dicts.items():
             if key not in self._listened:
-                self._listened[key] = d
-                _stores.listen(d, self.on_store)
+                self._listened[key] = (d, listener)
+                _stores.listen(d, listener)
 
     def _unlisten_all(self) -> None:
-        if self.on_store is not None:
-            for d in self._listened.values():
-                _stores.unlisten(d, self.on_store)
+        for d, listener in self._listened.values():
+            _stores.unlisten(d, listener)
         self._listened = {}
 
     def changed(self) -> bool:
