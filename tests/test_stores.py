@@ -190,3 +190,16 @@ def test_a_guard_left_by_an_exception_unwatches_its_dicts_and_keeps_nothing_aliv
     del rd, placed
     gc.collect()
     assert ref() is None, "the placed tensor outlived the guard"
+
+
+@needs_watchers
+def test_pinned_memory_in_a_cuda_process_is_read_at_the_look(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `non_blocking` copy into pinned memory may still be landing when the tensor is stored: its
+    first values are read at the next write op, as without watchers (docs/protected.md says so)."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    host = torch.zeros(8)
+    pending: dict[str, Any] = {}
+    with kvguard.guard(pending, name="pending", action="record") as g:
+        _parked(pending, host)
+    assert g.report.events == []

@@ -123,6 +123,7 @@ class ProtectedSet(Capabilities):
             tensors = [leaf.tensor for leaf in cast("list[_tree.Leaf]", found)]
         pending = self._stored_digests
         new = [t for t in tensors if id(t) not in pending and self.entry_of(t) is None]
+        new = [t for t in new if not _tensors.still_landing(t)]  # read at the look, as before
         if not new:
             return
         self._placing()

@@ -107,6 +107,16 @@ def same_values(a: torch.Tensor, b: object) -> bool:
         return False
 
 
+def still_landing(tensor: torch.Tensor) -> bool:
+    """Whether a `non_blocking` copy may still be writing the tensor: pinned CPU memory in a process
+    that has used CUDA (no CUDA, no pinned memory: never)."""
+    try:
+        return bool(torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+                    and tensor.is_cpu and tensor.is_pinned())
+    except Exception:  # noqa: BLE001 - a subclass or layout that cannot say
+        return False
+
+
 def capturing() -> bool:
     """Whether this thread's current CUDA stream is capturing a graph: reading a value now (a
     copy to the host, `.item()`) would break the user's capture, so a report reads none."""
