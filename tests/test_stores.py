@@ -203,3 +203,13 @@ def test_pinned_memory_in_a_cuda_process_is_read_at_the_look(monkeypatch: pytest
     with kvguard.guard(pending, name="pending", action="record") as g:
         _parked(pending, host)
     assert g.report.events == []
+
+
+@needs_watchers
+def test_a_swap_right_after_a_heard_store_is_reported_at_its_line() -> None:
+    """No write op ran between: the swap looks first, as the tensor is protected from its store."""
+    rd: dict[str, Any] = {"x": torch.zeros(1)}
+    with kvguard.guard(rd, name="rd", action="record") as g:
+        rd["w"] = w = torch.zeros(3)
+        torch.utils.swap_tensors(w, torch.ones(3))
+    assert [(e.path, e.kind, e.op) for e in g.report.events] == [("rd['w']", "repoint", "torch.utils.swap_tensors")]

@@ -286,6 +286,8 @@ class WriteJudge:
     def on_swap(self, t1: torch.Tensor, t2: torch.Tensor) -> Callable[[bool], None]:
         """`torch.utils.swap_tensors` on a protected tensor: report it like `set_` (if it swapped)."""
         protected = self.protected
+        if protected.stored_since_look((t1, t2)):  # placed, heard, not looked at yet: protected already
+            protected.look()
         own = [e for e in (protected.entry_of(t1), protected.entry_of(t2)) if e is not None]
         if not own:
             return _no_repoint

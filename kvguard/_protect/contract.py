@@ -91,6 +91,11 @@ class Capabilities:
         stopped write's hint says, by entry id: none but a kind's (the weights' `written_twice`)."""
         return {}, {}
 
+    def stored_since_look(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether one of `tensors` was stored into the guarded object since the last look, heard
+        at its store (Python 3.12+): a re-pointing no op shows (`swap_tensors`) looks first then."""
+        return False
+
 
 class Protected(Protocol):
     """What code outside `kvguard._protect` uses of a protected set (see the module docstring)."""
@@ -126,6 +131,8 @@ class Protected(Protocol):
     def attach_hook(self, hook: Optional[Hook]) -> None: ...
 
     def findings(self, hit: Sequence[Entry]) -> tuple[dict[int, tuple[EventKind, str]], dict[int, str]]: ...
+
+    def stored_since_look(self, tensors: Sequence[torch.Tensor]) -> bool: ...
 
     # -- what the engines use: placements, and the memory they publish -------------------
 

@@ -60,6 +60,12 @@ def _walked_tensors(found: Found) -> list[torch.Tensor]:
     return tensors
 
 
+def _stored_site(stored: dict[int, tuple[torch.Tensor, object, Optional[str]]], tensor: torch.Tensor) -> Optional[str]:
+    """The line a store of `tensor` was heard at (`ProtectedSet._stored`), if one was."""
+    at_store = stored.get(id(tensor))
+    return at_store[2] if at_store is not None and at_store[0] is tensor else None
+
+
 def _new_only(found: Found, again: list[tuple[int, int]]) -> Found:
     """A walk's leaves and runs less the tensors `Table.add` found protected already (`again`:
     their positions among the tensors), spelled out as leaves where there are any."""
@@ -208,6 +214,7 @@ class NativeSet(ProtectedSet):
         """Rows from `first` on were made for `found` (leaves and runs, every tensor new): keep
         their paths and placements, a run's as one (prefix, first row) for all its rows."""
         paths, placed = self._paths, self._placed
+        stored = self._stored_digests  # where a store was heard, its line: no source to search
         placements = _placements.Placements(frames) if frames is not None else None  # each frame read once
         row = first
         for item in found:
@@ -216,12 +223,18 @@ class NativeSet(ProtectedSet):
                 if not n:
                     continue
                 paths += [(item.path, row)] * n
-                placed += [None] * n if placements is None else placements.placed_at_run(item.chain, item.lst,
-                                                                                          item.tensors)
+                sites = [_stored_site(stored, t) for t in item.tensors] if stored else None
+                if sites is not None and None not in sites:
+                    placed += sites
+                else:
+                    placed += [None] * n if placements is None else placements.placed_at_run(
+                        item.chain, item.lst, item.tensors)
                 row += n
             else:
                 paths.append(item.path)
-                placed.append(None if placements is None else placements.placed_at(item.chain, item.tensor))
+                site = _stored_site(stored, item.tensor) if stored else None
+                placed.append(site if site is not None else None if placements is None
+                              else placements.placed_at(item.chain, item.tensor))
                 row += 1
         count = row - first
         if not count:
@@ -231,18 +244,28 @@ class NativeSet(ProtectedSet):
         if not table.summary(first)[1]:
             self._identity_rows = True
         adopted = self._adopt_python(python) if python else []
-        if self._stored_digests:
-            self._as_stored([self._entry(row) for row in range(first, first + count)
-                             if id(table.tensor(row)) in self._stored_digests])
+        if stored:
+            self._as_stored_rows(range(first, first + count))
         if len(table) - self._swept_at > self._live_at_sweep + _SWEEP_EVERY:  # O(1) a row, amortized
             self._sweep()
         del found
         return _Added(first, adopted)
 
-    def _as_stored(self, entries: Sequence[Entry]) -> None:
-        super()._as_stored(entries)
-        for entry in entries:  # where a row was placed is kept by row
-            self._placed[cast(RowEntry, entry).row] = entry.placed_at
+    def _as_stored_rows(self, rows: range) -> None:
+        """`ProtectedSet._as_stored` by row: a row whose digest is the one taken at its store costs
+        a lookup and an int comparison, and gets no `RowEntry`."""
+        stored, table = self._stored_digests, self._table
+        changed = []
+        for row in rows:
+            tensor = table.tensor(row)
+            at_store = stored.get(id(tensor)) if tensor is not None else None
+            if at_store is None or at_store[0] is not tensor:
+                continue
+            if row in self._py_records or row in self._py_digests or type(at_store[1]) is not int \
+                    or table.record(row).digest != at_store[1]:
+                changed.append(self._entry(row))
+        if changed:
+            self._as_stored(changed)
 
     def _adopt_python(self, rows: list[int]) -> list[Entry]:
         """Records and digests for the new rows the table left to Python (few, as a rule)."""

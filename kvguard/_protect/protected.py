@@ -156,6 +156,10 @@ class ProtectedSet(Capabilities):
         if undo is not None:
             undo()
 
+    def stored_since_look(self, tensors: Sequence[torch.Tensor]) -> bool:
+        pending = self._stored_digests
+        return bool(pending) and any((p := pending.get(id(t))) is not None and p[0] is t for t in tensors)
+
     def _placed_all(self) -> None:
         """A placement pass is over: the digests taken at stores it read are no longer needed."""
         self._placing()
@@ -394,10 +398,13 @@ class ProtectedSet(Capabilities):
         placements = None if frames is None else _placements.Placements(frames)  # each frame read once
         added = []
         at_entry = self._at_entry
+        stored = self._stored_digests
         for leaf, record in zip(leaves, records):
             if at_entry is not None:
                 at_entry.discard(id(leaf.tensor))  # a new tensor where one of those died
-            placed_at = None if placements is None else placements.placed_at(leaf.chain, leaf.tensor)
+            at_store = stored.get(id(leaf.tensor)) if stored else None
+            placed_at = (at_store[2] if at_store is not None and at_store[0] is leaf.tensor and at_store[2]
+                         else None if placements is None else placements.placed_at(leaf.chain, leaf.tensor))
             entry = entries[id(leaf.tensor)] = Entry(leaf.path, record, weakref.ref(leaf.tensor, on_death), placed_at)
             added.append(entry)
         self.protected_count += len(leaves)
