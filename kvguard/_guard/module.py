@@ -179,10 +179,12 @@ class ModuleGuard(Guard):
         protected = self._protected
         if protected is None or self._sampled_out:  # the sampled tier: this interval is not checked
             return None
-        step = protected.step_set([p for group in optimizer.param_groups for p in group["params"]])
-        self._report_changes(protected.step_changes(step), STEP_DIFF if self.level == "full" else STEP_DIFF_LIGHT,
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        step = protected.step_set(params)
+        self._report_changes(protected.step_changes(step, params),
+                             STEP_DIFF if self.level == "full" else STEP_DIFF_LIGHT,
                              f"at optimizer step {protected.steps + 1}, before it ran")
-        return protected.begin_step(step)
+        return protected.begin_step(step, params)
 
     def _report_changes(self, changes: list[Change], diff: str, found: str) -> None:
         """Changes found at a step or a module's `_apply`, as boundary findings located at the user's

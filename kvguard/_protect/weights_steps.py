@@ -50,15 +50,31 @@ class StepSet:
     (`admitted`, by `backend`) rather than have Python see each one.
     """
 
-    __slots__ = ("admitted", "backend", "entries", "holding", "ids", "table")
+    __slots__ = ("admitted", "backend", "entries", "given", "holding", "ids", "key", "table")
 
-    def __init__(self, entries: list[Entry], table: Optional[Table]) -> None:
+    def __init__(self, entries: list[Entry], table: Optional[Table], key: tuple[int, ...] = ()) -> None:
+        self.key = key  # the ids of the tensors it was made for, in the optimizer's order
         self.entries = entries
         self.ids = frozenset(map(id, entries))
         self.table = table
         self.holding = False
         self.admitted = False
         self.backend: Optional[Admitter] = None
+        # The step's tensors while it runs (`begin_step` to `end_step`), as the optimizer lists
+        # them: the table reads a row from there where it is that row's tensor, taking no
+        # reference (see `Table.refresh`); None between steps, so nothing is held then.
+        self.given: Optional[list[torch.Tensor]] = None
+
+
+def _same_ids(objects: list[torch.Tensor], ids: tuple[int, ...]) -> bool:
+    """Whether `objects` are, one for one, the objects whose ids `ids` lists (in C where the compiled
+    extension is loaded)."""
+    from kvguard._protect.native import table_module
+
+    module = table_module()
+    if module is not None and hasattr(module, "same_ids"):
+        return bool(module.same_ids(objects, ids))
+    return tuple(map(id, objects)) == ids
 
 
 class DeviceComparisons:
@@ -101,6 +117,8 @@ class SteppingSet(ProtectedSet):
         self._active: list[StepSet] = []  # the optimizer steps running now
         self._holding: list[StepSet] = []  # the step sets whose tables hold their entries' digests
         self._step_sets: dict[tuple[int, ...], StepSet] = {}  # a step's parameters (ids) -> what it writes
+        # (how many, the first's id) -> the step set last found for such a list, checked whole by `same_ids`
+        self._step_hints: dict[tuple[int, int], StepSet] = {}
         self._hook: Optional[Hook] = None  # the write hook this set is attached to (`attach_hook`), where one is
         self._later = DeviceComparisons()  # comparisons on a device, read at the next boundary
         super().__init__([], name, None, (), fingerprint=fingerprint)
@@ -161,11 +179,16 @@ class SteppingSet(ProtectedSet):
         entries stay as they are (a rescan or a death forgets it)."""
         if self._must_look():
             self.look()
+        hint = (len(tensors), id(tensors[0]) if tensors else 0)
+        step = self._step_hints.get(hint)
+        if step is not None and type(tensors) is list and _same_ids(tensors, step.key):
+            return step  # the same parameters as last time, checked in C: no tuple of ids made
         key = tuple(map(id, tensors))
         step = self._step_sets.get(key)
         if step is None:
             entries = self._step_entries(tensors)
-            step = self._step_sets[key] = StepSet(entries, self._step_table(entries))
+            step = self._step_sets[key] = StepSet(entries, self._step_table(entries), key)
+        self._step_hints[hint] = step
         return step
 
     def _must_look(self) -> bool:
@@ -198,15 +221,16 @@ class SteppingSet(ProtectedSet):
             return None
         return table
 
-    def step_changes(self, step: StepSet) -> list[Change]:
+    def step_changes(self, step: StepSet, tensors: Optional[list[torch.Tensor]] = None) -> list[Change]:
         """What changed, with no op reporting it, in what a step is about to write: the step takes
         their digests again when it is done, so a change made since the last one (a numpy
-        view, a raw pointer) is found now or never."""
+        view, a raw pointer) is found now or never. `tensors`: the list `step_set` was given,
+        if the caller has it (read from there rather than through the table's weak references)."""
         if not self._fingerprint:
             return []
         early = self._before_comparing()
         if step.table is not None and self._take(step):
-            found = self._step_refresh(step, report=True)
+            found = self._step_refresh(step, report=True, tensors=tensors)
         else:
             with collector_paused():
                 found, moved = self._compare_soon([(e, t) for e in step.entries if (t := e.ref()) is not None])
@@ -243,12 +267,14 @@ class SteppingSet(ProtectedSet):
                 for entry, digest in zip(step.entries, step.table.digests()):
                     entry.digest, entry.explained = digest, False
 
-    def _step_refresh(self, step: StepSet, report: bool) -> list[Change]:
+    def _step_refresh(self, step: StepSet, report: bool,
+                      tensors: Optional[list[torch.Tensor]] = None) -> list[Change]:
         """One C++ pass over the step's table: digests compared (`report`: what changed is
-        returned) and taken again, and memory followed (`ProtectedSet._compare_records`)."""
+        returned) and taken again, and memory followed (`ProtectedSet._compare_records`).
+        `tensors`: a list holding the rows' tensors in row order, where the caller has one."""
         table = step.table
         assert table is not None
-        changed, moved, python = table.refresh(None, self._fingerprint)
+        changed, moved, python = table.refresh(None, self._fingerprint, tensors, report)
         entries = step.entries
         found = [Change(entries[row], t, "values", was, now) for row, was, now in changed
                  if (t := entries[row].ref()) is not None] if report else []
@@ -266,13 +292,15 @@ class SteppingSet(ProtectedSet):
             self._rebuild_index()
         return found
 
-    def begin_step(self, step: StepSet) -> StepSet:
+    def begin_step(self, step: StepSet, tensors: Optional[list[torch.Tensor]] = None) -> StepSet:
         """An optimizer step starts: what it writes steps aside until `end_step` (admitted by the
         write hook in C++ where it can, else left out of what is published). A step inside
-        another (ZeroRedundancyOptimizer's step() steps its inner optimizer) is the same step."""
+        another (ZeroRedundancyOptimizer's step() steps its inner optimizer) is the same step.
+        `tensors`: the list `step_set` was given, held until `end_step` reads the step's result."""
         if not self._active:
             self.steps += 1
         self._active.append(step)
+        step.given = tensors
         if not step.entries:
             return step
         backend, kept = self._admitting() if step.table is not None else (None, ([], []))
@@ -304,12 +332,13 @@ class SteppingSet(ProtectedSet):
         """The step is done: its entries are protected again, from their values now."""
         if step in self._active:
             self._active.remove(step)
+        given, step.given = step.given, None
         if not step.entries:
             return
         restored = step.admitted and step.backend is not None and bool(step.backend.admit(None))
         step.admitted, step.backend = False, None
         if step.table is not None and (step.holding or not self._fingerprint):
-            self._step_refresh(step, report=False)  # digests (and memory) as the step left them
+            self._step_refresh(step, report=False, tensors=given)  # digests (and memory) as the step left them
         else:
             self.explain(step.entries)
         if not restored:
@@ -323,6 +352,7 @@ class SteppingSet(ProtectedSet):
                 step.table.clear()  # its weak references go now (`swap_tensors` refuses them)
                 step.table = None
         self._step_sets = {}
+        self._step_hints = {}
 
     def explain(self, entries: list[Entry], settled: bool = True) -> None:
         self._reclaim(entries)

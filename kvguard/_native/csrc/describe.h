@@ -158,6 +158,31 @@ PyObject* new_record(PyObject* layout, PyObject* impl, PyObject* device, PyObjec
   return nullptr;
 }
 
+// A plain strided tensor's layout token: its TensorImpl, where its elements start, its dtype,
+// device, sizes and strides, hashed (another token: re-pointed, or re-laid out).
+// Two independent chains (half the latency of one: a refresh reads every row's token), each
+// step a bijection of the running hash for a given value and of the value for a given hash,
+// and so is their join: tokens of two layouts that differ in one of these always differ.
+inline uint64_t token_step(uint64_t h, uint64_t v) {
+  h = (h ^ v) * 0x9E3779B97F4A7C15ULL;
+  return h ^ (h >> 29);
+}
+
+inline uint64_t layout_token(const c10::TensorImpl* impl, const unsigned char* base, int64_t offset,
+                             c10::Device device, c10::IntArrayRef sizes, c10::IntArrayRef strides) {
+  uint64_t a = token_step(0x6B76677561726431ULL, reinterpret_cast<uintptr_t>(impl));
+  uint64_t b = token_step(0x243F6A8885A308D3ULL, reinterpret_cast<uintptr_t>(base));
+  a = token_step(a, (uint64_t)offset);
+  b = token_step(b, (uint64_t)static_cast<int>(impl->dtype().toScalarType()));
+  a = token_step(a, (uint64_t)static_cast<int>(device.type()) * 65536 + (uint64_t)(device.index() + 1));
+  b = token_step(b, sizes.size());
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    a = token_step(a, (uint64_t)sizes[k]);
+    b = token_step(b, (uint64_t)strides[k]);
+  }
+  return mix64(a, b);
+}
+
 void describe_tensor(const at::Tensor& t, Described& d, bool want_digest, int max_dims) {
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   if (impl->layout() != c10::kStrided || impl->is_nested() || t.is_quantized() ||
@@ -205,14 +230,7 @@ void describe_tensor(const at::Tensor& t, Described& d, bool want_digest, int ma
       expected *= size;
     }
   }
-  uint64_t h = mix64(0x6B76677561726431ULL, d.impl);
-  h = mix64(h, reinterpret_cast<uintptr_t>(base));
-  h = mix64(h, (uint64_t)offset);
-  h = mix64(h, (uint64_t)static_cast<int>(impl->dtype().toScalarType()));
-  h = mix64(h, (uint64_t)static_cast<int>(d.device.type()) * 65536 + (uint64_t)(d.device.index() + 1));
-  h = mix64(h, sizes.size());
-  for (size_t k = 0; k < sizes.size(); ++k) h = mix64(mix64(h, (uint64_t)sizes[k]), (uint64_t)strides[k]);
-  d.layout = h;
+  d.layout = layout_token(impl, base, offset, d.device, sizes, strides);
   if (!want_digest) return;
   if (d.device.type() != c10::DeviceType::CPU) {
     d.digest_kind = Described::kDevice;

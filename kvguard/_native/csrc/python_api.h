@@ -28,6 +28,12 @@ const Api* borrowed_api(const char* capsule) {
   return api;
 }
 
+// An owned reference, released when it goes out of scope (the GIL must be held then).
+struct PyRef {
+  PyObject* p;
+  ~PyRef() { Py_XDECREF(p); }
+};
+
 }  // namespace
 
 // Around the body of a function called from Python: a C++ exception becomes a Python one.

@@ -299,13 +299,17 @@ inline void prefetch_impl(const c10::TensorImpl* impl, int write) {
   __builtin_prefetch(p + 128);
 }
 
+// The i-th of a range of tensors: held (at::Tensor) or borrowed (a pointer to one its owner keeps).
+inline const at::Tensor& tensor_at(const at::Tensor* tensors, size_t i) { return tensors[i]; }
+inline const at::Tensor& tensor_at(const at::Tensor* const* tensors, size_t i) { return *tensors[i]; }
+
 constexpr uintptr_t kDigestNow = 64 * 1024;  // bytes a digest takes with the GIL held, in the describe pass
 constexpr auto kDigested = static_cast<decltype(Described::kHost)>(3);  // taken in that pass
 
 // Describes tensors[0, n) (alive: the caller holds them; `plain(i)`: whether C++ describes the
 // i-th), the digests on the host with the GIL released.
-template <class Plain>
-void describe_range(const at::Tensor* tensors, size_t n, Plain plain, std::vector<Described>* out,
+template <class Tensors, class Plain>
+void describe_range(const Tensors& tensors, size_t n, Plain plain, std::vector<Described>* out,
                     bool want_digest) {
   const DigestApi* api = want_digest ? digest_api() : nullptr;
   const int max_dims = api == nullptr ? 0 : api->max_dims;
@@ -313,13 +317,13 @@ void describe_range(const at::Tensor* tensors, size_t n, Plain plain, std::vecto
   for (size_t i = 0; i < n; ++i) {
     // Each tensor's TensorImpl, then its StorageImpl, are a cache miss apiece when the set is
     // large: fetched a few tensors ahead, so that the misses overlap instead of adding up.
-    if (i + 16 < n) prefetch_impl(tensors[i + 16].unsafeGetTensorImpl(), 0);
+    if (i + 16 < n) prefetch_impl(tensor_at(tensors, i + 16).unsafeGetTensorImpl(), 0);
     if (i + 8 < n) {
-      const c10::TensorImpl* ahead = tensors[i + 8].unsafeGetTensorImpl();
+      const c10::TensorImpl* ahead = tensor_at(tensors, i + 8).unsafeGetTensorImpl();
       if (ahead->has_storage()) __builtin_prefetch(ahead->storage().unsafeGetStorageImpl());
     }
     if (i + 4 < n) {
-      const c10::TensorImpl* ahead = tensors[i + 4].unsafeGetTensorImpl();
+      const c10::TensorImpl* ahead = tensor_at(tensors, i + 4).unsafeGetTensorImpl();
       if (ahead->has_storage() && ahead->storage().data() != nullptr)
         __builtin_prefetch(static_cast<const char*>(ahead->storage().data()) +
                            ahead->storage_offset() * (int64_t)ahead->itemsize());
@@ -327,7 +331,7 @@ void describe_range(const at::Tensor* tensors, size_t n, Plain plain, std::vecto
     if (!plain(i)) continue;
     Described& d = (*out)[i];
     try {
-      describe_tensor(tensors[i], d, want_digest, max_dims);
+      describe_tensor(tensor_at(tensors, i), d, want_digest, max_dims);
     } catch (...) {
       d = Described();
     }
@@ -354,6 +358,49 @@ void describe_range(const at::Tensor* tensors, size_t n, Plain plain, std::vecto
 void describe_all(const std::vector<at::Tensor>& tensors, const std::vector<bool>& plain,
                   std::vector<Described>* out, bool want_digest) {
   describe_range(tensors.data(), tensors.size(), [&](size_t i) { return (bool)plain[i]; }, out, want_digest);
+}
+
+// How a refresh read a row again: the short way (quick_row: no move, a host digest or none),
+// or fully (describe_tensor).
+enum Quick : uint8_t { kDescribe = 0, kSameNoDigest = 1, kSameDigested = 2 };
+
+// A row read again the short way, where it can be: a plain CPU tensor whose layout token is
+// still the row's `layout` (so its span, density, device and kind are still the row's), its
+// elements inside their storage and few enough to digest now (`want_digest`; into *digest,
+// taken from the TensorImpl's own sizes and strides, no copy). What describe_tensor would find,
+// without filling a Described; kDescribe where anything is otherwise (the full path decides).
+inline Quick quick_row(const at::Tensor& t, uint64_t layout, const DigestApi* api, int max_dims, bool want_digest,
+                       uint64_t* digest) {
+  static_assert(sizeof(int64_t) == sizeof(Py_ssize_t), "sizes are read as Py_ssize_t");
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (impl->layout() != c10::kStrided || impl->is_nested() || t.is_quantized() || !impl->has_storage() ||
+      impl->device_type() != c10::DeviceType::CPU || impl->has_symbolic_sizes_strides()) {
+    return kDescribe;
+  }
+  const c10::Storage& storage = impl->storage();
+  const auto* base = static_cast<const unsigned char*>(storage.data());  // never materializes COW
+  const int64_t offset = impl->storage_offset();
+  const auto sizes = impl->sizes();
+  const auto strides = impl->strides();
+  int64_t numel = 1, reach = 0;
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    if (sizes[k] < 0 || strides[k] < 0) return kDescribe;
+    numel *= sizes[k];
+    reach += (sizes[k] > 0 ? sizes[k] - 1 : 0) * strides[k];
+  }
+  if (layout_token(impl, base, offset, impl->device(), sizes, strides) != layout) return kDescribe;
+  if (!want_digest) return kSameNoDigest;
+  const int64_t itemsize = static_cast<int64_t>(impl->itemsize());
+  const bool inside = numel == 0 ||
+      (base != nullptr && offset >= 0 && (offset + reach + 1) * itemsize <= (int64_t)storage.nbytes());
+  if (api == nullptr || !inside || (int)sizes.size() > max_dims ||
+      (numel > 0 && (uintptr_t)((reach + 1) * itemsize) > kDigestNow)) {
+    return kDescribe;
+  }
+  *digest = api->digest_strided(base == nullptr ? nullptr : base + offset * itemsize, (Py_ssize_t)itemsize,
+                                (int)sizes.size(), reinterpret_cast<const Py_ssize_t*>(sizes.data()),
+                                reinterpret_cast<const Py_ssize_t*>(strides.data()));
+  return kSameDigested;
 }
 
 // Rows a refresh describes at a time: their descriptions stay in cache between the pass that
@@ -599,45 +646,76 @@ PyObject* table_set_digest(TableObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// The live rows among `rows` (all rows when null) and their tensors, locked.
-void lock_rows(TableData& t, const std::vector<size_t>* rows, std::vector<size_t>* live,
-               std::vector<at::Tensor>* tensors) {
-  auto one = [&](size_t r) {
-    if (t.flags[r] & kGone) return;
-    auto strong = t.impl[r].lock();
-    if (!strong) return;
-    live->push_back(r);
-    tensors->emplace_back(std::move(strong));
-  };
-  if (rows != nullptr) {
-    for (size_t r : *rows) one(r);
-  } else {
-    const size_t n = t.impl.size();
-    for (size_t r = 0; r < n; ++r) {
-      if (r + 16 < n) prefetch_impl(t.impl[r + 16]._unsafe_get_target(), 1);  // its refcounts: written
-      one(r);
+// The live rows among `rows` (all rows when null) and their tensors: the k-th row asked is read
+// from `given`'s k-th item where that is the row's very tensor (the caller holds it: no
+// reference taken, which for a tensor with a Python object means no GIL round trip through
+// torch's PyObject preservation), else its weak reference is locked into `held` (reserved up
+// front: `tensors` points into it).
+void lock_rows(TableData& t, const std::vector<size_t>* rows, PyObject* given, std::vector<size_t>* live,
+               std::vector<const at::Tensor*>* tensors, std::vector<at::Tensor>* held) {
+  const size_t asked = rows != nullptr ? rows->size() : t.impl.size();
+  const Py_ssize_t ngiven = given != nullptr ? PyList_GET_SIZE(given) : 0;
+  held->reserve(asked);
+  live->reserve(asked);
+  tensors->reserve(asked);
+  for (size_t k = 0; k < asked; ++k) {
+    const size_t r = rows != nullptr ? (*rows)[k] : k;
+    if (rows == nullptr && k + 16 < asked && (Py_ssize_t)(k + 16) >= ngiven)
+      prefetch_impl(t.impl[k + 16]._unsafe_get_target(), 1);  // its refcounts: written
+    if (t.flags[r] & kGone) continue;
+    if ((Py_ssize_t)k < ngiven) {
+      PyObject* obj = PyList_GET_ITEM(given, (Py_ssize_t)k);
+      if (THPVariable_Check(obj)) {
+        const at::Tensor& tensor = THPVariable_Unpack(obj);
+        if (tensor.unsafeGetTensorImpl() == t.impl[r]._unsafe_get_target()) {
+          live->push_back(r);
+          tensors->push_back(&tensor);
+          continue;
+        }
+      }
     }
+    auto strong = t.impl[r].lock();
+    if (!strong) continue;
+    live->push_back(r);
+    held->emplace_back(std::move(strong));
+    tensors->push_back(&held->back());
   }
 }
 
 
-// refresh(rows=None, digest=True) -> (changed, moved, python):
+// refresh(rows=None, digest=True, tensors=None, report=True) -> (changed, moved, python):
 // reads each live row again (`rows`, or all) in one pass. `changed`: (row, digest kept, digest
-// now) for rows whose host digest differs from the one kept and that no op event explained; `moved`: (row, old record) for rows
-// re-pointed or re-laid out since (their span, layout and index follow the tensor now);
-// `python`: live rows whose digest or record Python keeps (another device, not plain memory),
-// for Python to compare. With `digest`, the kept digests become the ones read now and the
-// explained marks are cleared; without, digests and marks are left as they are.
+// now) for rows whose host digest differs from the one kept and that no op event explained
+// (left empty without `report`: digests taken as the next baseline after writes that were
+// meant, an optimizer step's); `moved`: (row, old record) for rows re-pointed or re-laid out
+// since (their span, layout and index follow the tensor now); `python`: live rows whose digest
+// or record Python keeps (another device, not plain memory), for Python to compare. With
+// `digest`, the kept digests become the ones read now and the explained marks are cleared;
+// without, digests and marks are left as they are. `tensors`: a list the caller holds whose
+// k-th item, where it is the k-th asked row's very tensor, is read from there (see lock_rows);
+// the others through their weak references. A row whose layout token is unchanged is read the
+// short way (quick_row); the others are described in full.
 PyObject* table_refresh(TableObject* self, PyObject* args) {
   KVGUARD_TRY
   PyObject* rows_arg = Py_None;
   int with_digest = 1;
-  if (!PyArg_ParseTuple(args, "|Op:refresh", &rows_arg, &with_digest)) return nullptr;
+  PyObject* given_arg = Py_None;
+  int report = 1;
+  if (!PyArg_ParseTuple(args, "|OpOp:refresh", &rows_arg, &with_digest, &given_arg, &report)) return nullptr;
+  if (given_arg != Py_None && !PyList_Check(given_arg)) {
+    PyErr_SetString(PyExc_TypeError, "Table.refresh: tensors must be a list or None");
+    return nullptr;
+  }
   TableData& t = *self->data;
   std::vector<size_t> asked, live;
   if (rows_arg != Py_None && !read_rows(self, rows_arg, &asked)) return nullptr;
-  std::vector<at::Tensor> tensors;
-  lock_rows(t, rows_arg == Py_None ? nullptr : &asked, &live, &tensors);
+  // A copy of the caller's list: its items stay alive while the GIL is released for large
+  // digests, whatever another thread does to the list meanwhile.
+  PyRef given{given_arg == Py_None ? nullptr : PyList_GetSlice(given_arg, 0, PyList_GET_SIZE(given_arg))};
+  if (given_arg != Py_None && given.p == nullptr) return nullptr;
+  std::vector<const at::Tensor*> tensors;
+  std::vector<at::Tensor> held;
+  lock_rows(t, rows_arg == Py_None ? nullptr : &asked, given.p, &live, &tensors, &held);
   std::vector<bool> plain(live.size());
   for (size_t k = 0; k < live.size(); ++k) plain[k] = !(t.flags[live[k]] & kPython);
   std::vector<Described> found;
@@ -649,25 +727,68 @@ PyObject* table_refresh(TableObject* self, PyObject* args) {
     Py_XDECREF(changed);
     return nullptr;
   }
+  const bool want = with_digest && t.want_digest;
+  const DigestApi* api = want ? digest_api() : nullptr;
+  const int max_dims = api == nullptr ? 0 : api->max_dims;
+  Quick quick[kRefreshChunk];
+  uint64_t quick_digest[kRefreshChunk];
+  size_t slot[kRefreshChunk];  // a fully described row's place in `found`
+  std::vector<const at::Tensor*> slow;
   for (size_t k = 0; k < live.size(); ++k) {
-    if (k % kRefreshChunk == 0) {  // the next chunk of rows described, then compared
+    if (k % kRefreshChunk == 0) {  // the next chunk of rows read again, then compared
       const size_t n = std::min(kRefreshChunk, live.size() - k);
-      describe_range(tensors.data() + k, n, [&](size_t i) { return (bool)plain[k + i]; }, &found,
-                     with_digest && t.want_digest);
+      slow.clear();
+      for (size_t i = 0; i < n; ++i) {
+        // The next rows' TensorImpls, storages and first elements fetched ahead (see describe_range).
+        if (k + i + 16 < live.size()) prefetch_impl(tensors[k + i + 16]->unsafeGetTensorImpl(), 0);
+        if (k + i + 8 < live.size()) {
+          const c10::TensorImpl* ahead = tensors[k + i + 8]->unsafeGetTensorImpl();
+          if (ahead->has_storage()) __builtin_prefetch(ahead->storage().unsafeGetStorageImpl());
+        }
+        if (k + i + 4 < live.size()) {
+          const c10::TensorImpl* ahead = tensors[k + i + 4]->unsafeGetTensorImpl();
+          if (ahead->has_storage() && ahead->storage().data() != nullptr)
+            __builtin_prefetch(static_cast<const char*>(ahead->storage().data()) +
+                               ahead->storage_offset() * (int64_t)ahead->itemsize());
+        }
+        quick[i] = kDescribe;
+        if (plain[k + i]) {
+          try {
+            quick[i] = quick_row(*tensors[k + i], t.layout[live[k + i]], api, max_dims, want, &quick_digest[i]);
+          } catch (...) {
+            quick[i] = kDescribe;
+          }
+        }
+        if (quick[i] == kDescribe && plain[k + i]) {
+          slot[i] = slow.size();
+          slow.push_back(tensors[k + i]);
+        }
+      }
+      if (!slow.empty()) describe_range(slow.data(), slow.size(), [](size_t) { return true; }, &found, want);
     }
     const size_t r = live[k];
-    const Described& d = found[k % kRefreshChunk];
+    const size_t i = k % kRefreshChunk;
     if (!plain[k]) {
       python.push_back(r);
       continue;
     }
+    static const Described kSame = [] {
+      Described same;
+      same.plain = true;
+      return same;
+    }();
+    const Described& d = quick[i] == kDescribe ? found[slot[i]] : kSame;
+    const auto kind = quick[i] == kSameDigested ? Described::kHost
+        : quick[i] == kSameNoDigest ? Described::kNone : d.digest_kind;
+    const uint64_t now = quick[i] == kDescribe ? d.digest : quick[i] == kSameDigested ? quick_digest[i] : 0;
+    const uint64_t layout_now = quick[i] == kDescribe ? d.layout : t.layout[r];
     uint8_t f = t.flags[r];
-    const bool digests_known = (f & kDigest) && d.digest_kind == Described::kHost;
-    const bool differs = digests_known && t.digest[r] != d.digest;
+    const bool digests_known = (f & kDigest) && kind == Described::kHost;
+    const bool differs = digests_known && t.digest[r] != now;
     const bool explained = f & kExplained;
-    if (with_digest && differs && !explained) {
+    if (with_digest && report && differs && !explained) {
       PyObject* triple = Py_BuildValue("(nKK)", (Py_ssize_t)r, (unsigned long long)t.digest[r],
-                                       (unsigned long long)d.digest);
+                                       (unsigned long long)now);
       if (triple == nullptr || PyList_Append(changed, triple) < 0) {
         Py_XDECREF(triple);
         Py_DECREF(moved);
@@ -676,7 +797,7 @@ PyObject* table_refresh(TableObject* self, PyObject* args) {
       }
       Py_DECREF(triple);
     }
-    if (d.layout != t.layout[r] || !d.plain) {
+    if (layout_now != t.layout[r] || !d.plain) {  // (never a row read the short way)
       PyObject* old = record_of_row(self, r);
       if (old == nullptr) {
         Py_DECREF(moved);
@@ -702,11 +823,11 @@ PyObject* table_refresh(TableObject* self, PyObject* args) {
       if (d.digest_kind == Described::kDevice || !d.plain) python.push_back(r);
       continue;
     }
-    if (d.digest_kind == Described::kDevice) python.push_back(r);
+    if (kind == Described::kDevice) python.push_back(r);
     if (with_digest) {
-      t.digest[r] = d.digest;
+      t.digest[r] = now;
       f = (uint8_t)(f & ~(kDigest | kExplained));
-      if (d.digest_kind == Described::kHost) f |= kDigest;
+      if (kind == Described::kHost) f |= kDigest;
       t.flags[r] = f;
     }
   }

@@ -336,12 +336,6 @@ struct Gil {
   Gil& operator=(const Gil&) = delete;
 };
 
-// An owned reference, released when it goes out of scope (the GIL must be held then).
-struct PyRef {
-  PyObject* p;
-  ~PyRef() { Py_XDECREF(p); }
-};
-
 bool python_alive() {
   if (!Py_IsInitialized()) return false;
 #if PY_VERSION_HEX >= 0x030D0000
@@ -1530,6 +1524,17 @@ std::shared_ptr<const Protected> g_admit_before;     // what admit(table) replac
 std::shared_ptr<const Protected> g_admit_published;  // what it published instead
 bool g_admitting = false;
 
+// The last admission, to publish again as it was when the next one is the same: the same
+// table rows (spans and identities, as table_publication lists them), the same memory kept
+// for other guards, over the same published object (a training loop's steps, one after the
+// other: admit(None) put that object back). Then no step sorts and subtracts its rows again.
+struct AdmitCache {
+  Intervals spans, kept;                          // as read, unsorted
+  std::vector<uintptr_t> identities, kept_ids;    // as read, unsorted
+  std::shared_ptr<const Protected> over, result;  // published before it, and by it
+};
+AdmitCache* g_admit_cache = new AdmitCache();  // with the GIL only
+
 // `into` = `a` less `b` (each sorted and coalesced): the parts of a's intervals that none of
 // b's covers, and a's identities that are not b's.
 void subtract_sorted(const Sorted& a, const Sorted& b, Sorted* into) {
@@ -1579,11 +1584,26 @@ PyObject* py_admit(PyObject*, PyObject* args) {
   Intervals spans;
   std::vector<uintptr_t> identities;
   table_publication(arg, 0, &spans, &identities);
+  std::shared_ptr<const Protected> current = std::atomic_load(&g_protected);
+  AdmitCache& cache = *g_admit_cache;
+  if (cache.result != nullptr && cache.over == current && cache.spans == spans && cache.identities == identities &&
+      cache.kept == kept && cache.kept_ids == kept_ids) {
+    g_admit_before = std::move(current);
+    g_admit_published = cache.result;
+    g_admitting = true;
+    store_protected(cache.result);
+    Py_RETURN_TRUE;
+  }
+  cache.result.reset();
+  cache.over = current;
+  cache.spans = spans;
+  cache.identities = identities;
+  cache.kept = kept;
+  cache.kept_ids = kept_ids;
   std::sort(spans.begin(), spans.end());
   std::sort(identities.begin(), identities.end());
   Sorted admitted;
   merge_sorted(Sorted{std::move(spans), std::move(identities)}, Sorted(), &admitted);
-  std::shared_ptr<const Protected> current = std::atomic_load(&g_protected);
   const Sorted all = flatten(current.get());
   auto bulk = std::make_shared<Sorted>();
   subtract_sorted(all, admitted, bulk.get());
@@ -1600,9 +1620,26 @@ PyObject* py_admit(PyObject*, PyObject* args) {
   g_admit_before = std::move(current);
   g_admit_published = frozen;
   g_admitting = true;
+  cache.result = frozen;
   store_protected(std::move(frozen));
   Py_RETURN_TRUE;
   KVGUARD_CATCH
+}
+
+// same_ids(objects: list, ids: tuple) -> bool: whether id(objects[i]) == ids[i] for every i (and
+// the lengths agree): an optimizer's parameters still those its step set was made for, checked
+// without a tuple of ints made per step.
+PyObject* py_same_ids(PyObject*, PyObject* args) {
+  PyObject *objects = nullptr, *ids = nullptr;
+  if (!PyArg_ParseTuple(args, "O!O!:same_ids", &PyList_Type, &objects, &PyTuple_Type, &ids)) return nullptr;
+  const Py_ssize_t n = PyList_GET_SIZE(objects);
+  if (PyTuple_GET_SIZE(ids) != n) Py_RETURN_FALSE;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    void* id = PyLong_AsVoidPtr(PyTuple_GET_ITEM(ids, i));
+    if (id == nullptr && PyErr_Occurred()) return nullptr;
+    if (id != (void*)PyList_GET_ITEM(objects, i)) Py_RETURN_FALSE;
+  }
+  Py_RETURN_TRUE;
 }
 
 PyObject* py_set_identities(PyObject*, PyObject* arg) {
@@ -2361,6 +2398,9 @@ PyMethodDef methods[] = {
      "add_protected(intervals: list[tuple[int, int]], identities: list[int], replace: bool = "
      "False) -> None\n\nProtect more (any order, any overlap): merged into the published "
      "intervals and identities, or published instead of them (`replace`)."},
+    {"same_ids", py_same_ids, METH_VARARGS,
+     "same_ids(objects: list, ids: tuple) -> bool\n\nWhether id(objects[i]) == ids[i] for every i, the "
+     "lengths equal."},
     {"admit", py_admit, METH_VARARGS,
      "admit(table | None, intervals=(), identities=()) -> bool\n\nAn optimizer step starts (a Table of "
      "its parameters): their memory and identities leave what is published, except `intervals` and "
