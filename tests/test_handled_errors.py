@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dis
+import gc
 import importlib.metadata
 import pickle
 import sys
@@ -417,6 +418,21 @@ def _all_code(module: types.ModuleType) -> list[types.CodeType]:
         found.append(code)
         pending += [c for c in code.co_consts if isinstance(c, types.CodeType)]
     return found
+
+
+def test_the_decoded_code_cache_keeps_no_code_object_alive() -> None:
+    """A function whose handlers were read is freed with its code once it goes (Dynamo's
+    transformed code among them: on torch 2.14 one kept until exit failed its clean-up hook)."""
+    namespace: dict[str, Any] = {}
+    exec(compile("def program(rd):\n    try:\n        rd['k'].add_(1)\n    except Exception:\n        pass\n",
+                 "<program>", "exec"), namespace)
+    code = weakref.ref(namespace["program"].__code__)
+    with pytest.raises(MutationError):
+        guarded_run(namespace["program"])
+    assert code() in _handlers._decoded  # read: the broad handler swallowed it, so it was raised again
+    namespace.clear()
+    gc.collect()
+    assert code() is None
 
 
 def test_the_decoded_code_cache_stays_bounded() -> None:

@@ -34,6 +34,7 @@ import dis
 import inspect
 import os
 import types
+import weakref
 from typing import Iterator, NamedTuple, Optional
 
 from kvguard._report.events import MutationError
@@ -76,7 +77,10 @@ class _Code(NamedTuple):
     table: list[_Entry]
 
 
-_decoded: dict[types.CodeType, Optional[_Code]] = {}
+# Held weakly: a code object the cache kept would outlive its function (Dynamo's transformed
+# code, kept past `torch._dynamo.reset()` until interpreter exit, where torch 2.14's clean-up
+# hook for it fails: "Exception ignored in ... ExactWeakKeyDictionary").
+_decoded: weakref.WeakKeyDictionary[types.CodeType, Optional[_Code]] = weakref.WeakKeyDictionary()
 
 
 def caught_by_its_own_class(error: BaseException, frame: Optional[types.FrameType]) -> bool:
