@@ -813,7 +813,10 @@ class Runner:
         elif not blocked:
             run()
         self.protect(list(hits))  # reported: its values now are the ones a later change is measured from
-        if not blocked:
+        # A real tensor's copy from its own conjugate (itself) is no write: kvguard never sees
+        # it, so the entry does not follow its tensor's moved memory there (CI drew this).
+        self_copy = step.op == "copy_conj" and not ts[0].is_complex()
+        if not blocked and not self_copy:
             if kind in ("swap", "set", "data") or op_kind == "metadata" or step.op in DIRECT_OPS:
                 self.moved -= {n for n in self.baseline if any(env[n] is o for o in objects)}
         if partner is not None:
