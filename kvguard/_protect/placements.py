@@ -171,7 +171,7 @@ def _placed_at_the_end(frame: types.FrameType, chain: Chain,
         if count in (_WHOLE, _UNKNOWN_SIZE) or from_end < covered + count:
             break  # the store it is within, or the nearest one before those counted
         covered += count
-    if found is not None and counted > 1 and depends is not None and not depends:
+    if found is not None and sum(c != _NOT_AT_END for _, c in changes) > 1 and depends is not None and not depends:
         depends.append(True)  # another place in the list may have another store
     return found
 
