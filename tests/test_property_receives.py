@@ -51,10 +51,9 @@ without kvguard; the weights each leaves loaded must be equal, and equal to the 
 buffer's elements at the load): a loaded weight that differs from what its view held when it
 was made was refilled under a view reported at that refill, or before the buffer was marked.
 
-Where a view is placed. docs/rollout.md says a held view is "placed at the statement that put
-it there"; for a view in a container kvguard finds that statement, but for one held by a bare
-local it says `LINE, held by v0` with LINE the line its frame was at when the view was first
-found held (the `_held_views` fallback in kvguard/_protect/weights_received.py): the refill's,
+Where a view is placed. A view in a container is placed at the statement that put it there;
+one held by a bare local is `LINE, held by v0` (docs/rollout.md), LINE the line its frame was
+at when the view was first found held (kvguard/_protect/weights_received.py): the refill's,
 or the `load_weights` call's while a stream refills, and at every later refill still that first
 one. The property checks `held by v0` only; the line is pinned by a strict xfail below
 (test_known_bug_a_view_in_a_local_is_placed_where_it_was_first_found_held). A list holds the
@@ -752,7 +751,8 @@ def test_oracle_expects_what_the_page_says_of_a_collecting_load() -> None:
 
 @pytest.mark.xfail(strict=True, reason="a view held by a bare local is placed at the line its frame was at when it "
                    "was first found held (`LINE, held by v0`: the refill's, then the same at every later refill), "
-                   "not at the statement that bound it (`v0 = buffer[0:4]...`), as docs/rollout.md says")
+                   "not at the statement that bound it (`v0 = buffer[0:4]...`): docs/rollout.md says so; the "
+                   "binding statement is not searched for")
 def test_known_bug_a_view_in_a_local_is_placed_where_it_was_first_found_held(tmp_path: Path) -> None:
     prog = _p("ipc", "loop", Step("view", "v0", "a"), FILL, FILL, Step("use", "v0"))
     guarded, _, _, firsts, _ = run_batch([prog], tmp_path, plain=False)
