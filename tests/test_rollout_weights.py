@@ -222,6 +222,55 @@ def test_a_trainers_collectives_are_not_receives(tmp_path: Path) -> None:
     assert "receive buffer" not in result.stderr
 
 
+@pytest.mark.parametrize("stash", [False, True])
+def test_a_long_load_frees_what_it_consumed_and_still_finds_what_it_keeps(tmp_path: Path, stash: bool) -> None:
+    """200 views of one 16-row buffer, handed one at a time to a `for` loop that frees each as it
+    moves on: their entries leave the memory index in batches (`_PURGE`), not one rebuild each. A
+    view the loop keeps in a dict it returns stays protected through those batches: the refill
+    that lands on it 16 items later is reported."""
+    script = tmp_path / "long_load.py"
+    script.write_text(textwrap.dedent(f"""
+        import torch
+
+        class Model(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = torch.nn.Parameter(torch.zeros(200, 4))
+
+            def load_weights(self, weights):
+                kept = {{}}
+                for name, t in weights:
+                    self.w.data[int(name)].copy_(t)
+                    if {stash} and name == "150":
+                        kept[name] = t
+                return kept
+
+        buffer = torch.empty(64)
+        sent = torch.arange(800.0).view(200, 4)
+
+        def stream():
+            for i in range(200):
+                slot = i % 16 * 4
+                buffer[slot:slot + 4].copy_(sent[i])
+                yield str(i), buffer[slot:slot + 4]
+
+        model = Model()
+        for _ in range(2):
+            model.load_weights(stream())
+        print(bool(torch.equal(model.w, sent)))
+    """))
+    result = run_python(script, **ON)
+    if not stash:
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == "True"
+        assert "400 tensors handed to them protected until consumed, 1 receive buffer watched" in result.stderr
+        return
+    assert result.returncode == 1
+    assert "kvguard.MutationError: model.load_weights['150'] would be modified in place by aten.copy_.default " \
+           "at long_load.py:23" in result.stderr
+    assert "placed   long_load.py:24 (handed to model.load_weights at long_load.py:28)" in result.stderr
+
+
 # -- the pieces, in-process --------------------------------------------------------------------
 
 

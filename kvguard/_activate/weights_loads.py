@@ -233,15 +233,29 @@ def _yielded_at(source: object) -> str:
     frame = getattr(source, "gi_frame", None)
     if frame is None:
         return "?"
-    from kvguard._protect.frames import site_of, user_frames
-
     inner = frame
     for _ in range(8):  # a generator delegating with `yield from`: the innermost yields
         below = getattr(getattr(inner, "f_generator", None), "gi_yieldfrom", None)
         if below is None or getattr(below, "gi_frame", None) is None:
             break
         inner = below.gi_frame
-    return site_of(next(user_frames(inner), inner)).short
+    # A suspended generator's frame has no caller: the answer is its file's and line's, read once per
+    # yield statement (not per item: a load's generator yields every weight from the same line).
+    key = (inner.f_code.co_filename, inner.f_lineno)
+    short = _yield_sites.get(key)
+    if short is None:
+        from kvguard._protect.frames import site_of, user_frames
+
+        short = site_of(next(user_frames(inner), inner)).short
+        if key[0].startswith("<eval_with_key>"):
+            return short  # an FX graph's line is its node's, read from the graph each time (`site_of`)
+        if len(_yield_sites) >= 1024:
+            _yield_sites.clear()
+        _yield_sites[key] = short
+    return short
+
+
+_yield_sites: dict[tuple[str, int], str] = {}  # (file, line) of a yield -> `gen.py:12` (no code object kept)
 
 
 def _wrap_points(points: list[LoadPoint], module: types.ModuleType) -> None:

@@ -54,7 +54,7 @@ class _Written(NamedTuple):
 class Load:
     """One load running on a thread: what it loads, where it was called, what it wrote."""
 
-    __slots__ = ("what", "site", "key", "caller", "_modules", "_ids", "_writes", "handed", "__weakref__")
+    __slots__ = ("what", "site", "key", "caller", "_modules", "_ids", "_writes", "handed", "_said", "__weakref__")
 
     def __init__(self, what: str, site: Site, modules: Optional[Sequence[torch.nn.Module]], key: int = 0) -> None:
         self.what = what  # `rollout_model.load_weights`, `finish_reload`, `model.load_state_dict`
@@ -68,11 +68,16 @@ class Load:
         # storage address -> the writes of this load into that storage
         self._writes: dict[int, list[_Written]] = {}
         self.handed = 0  # tensors handed to it (its weights iterator's, its list's)
+        self._said: Optional[str] = None
 
     @property
     def said(self) -> str:
-        """`rollout_model.load_weights at sync.py:40`: the load, in a report's words."""
-        return f"{self.what} at {self.site.short}"
+        """`rollout_model.load_weights at sync.py:40`: the load, in a report's words (made once: every
+        tensor handed to it is placed with it)."""
+        said = self._said
+        if said is None:
+            said = self._said = f"{self.what} at {self.site.short}"
+        return said
 
     def add_module(self, module: torch.nn.Module) -> None:
         """A module loaded inside this load (a nested `load_weights`): its weights are the load's too."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import sys
 import types
 import weakref
-from typing import TYPE_CHECKING, Iterator, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -35,6 +35,7 @@ from kvguard._protect import frames as _frames
 from kvguard._protect import geometry as _geometry
 from kvguard._protect import liveness as _liveness
 from kvguard._protect import placements as _placements
+from kvguard._protect import records as _records
 from kvguard._protect import tree as _tree
 from kvguard._protect import weights_loads as _loads
 from kvguard._protect.collector import collector_paused
@@ -55,18 +56,20 @@ _FRAMES = 24  # the refilling thread's frames searched for held views
 _DEPTH = 3  # containers below a variable searched
 _BUDGET = 5_000  # objects looked at per search, at most
 _ITEMS = 4_096  # items of one container looked at, at most
+_PURGE = 64  # handed tensors freed before their entries leave the memory index (else at the load's end)
 
 
 class _Received:
     """What one received entry is: its kind, the load it was handed to, and whether consumed."""
 
-    __slots__ = ("kind", "load", "consumed", "how")
+    __slots__ = ("kind", "load", "consumed", "how", "key")
 
-    def __init__(self, kind: str, load: Optional[weakref.ref[_loads.Load]], how: str) -> None:
+    def __init__(self, kind: str, load: Optional[weakref.ref[_loads.Load]], how: str, key: int) -> None:
         self.kind = kind
         self.load = load
         self.consumed = False
         self.how = how  # a buffer's receive: `dist.broadcast at recv.py:20`
+        self.key = key  # the entry's key in the set (its tensor's id), to drop it by once the tensor died
 
 
 class ReceivedSet(SteppingSet):
@@ -78,6 +81,12 @@ class ReceivedSet(SteppingSet):
         self.loads_seen = 0  # how many
         self.received_count = 0  # tensors protected as received (handed, or found held at a refill)
         self._storages: set[int] = set()  # the addresses of the receive buffers' memory, ever watched
+        # Per load, the entries handed to it and not consumed yet, in order (`consumed` reads these,
+        # not every received entry); an entry consumed or let go since is passed over there.
+        self._waiting: weakref.WeakKeyDictionary[_loads.Load, list[tuple[Entry, _Received]]] = \
+            weakref.WeakKeyDictionary()
+        self._buffer_entries: list[Entry] = []  # the receive buffers' entries (`_inside_a_buffer`)
+        self._handed_dead = 0  # handed tensors freed since their entries were last dropped (`_drop_handed`)
         super().__init__(name, fingerprint)
         self._unlisten = _loads.listen(self)
 
@@ -98,24 +107,31 @@ class ReceivedSet(SteppingSet):
                 what = self._received.get(id(known))
                 if what is not None and what[1].kind != BUFFER:  # handed again: to this load now
                     what[1].kind, what[1].load, what[1].consumed = HANDED, ref, False
+                    self._waiting.setdefault(load, []).append((known, what[1]))
                 continue  # a weight itself, or a buffer: judged as what it is
             new.append((f"{load.what}[{name!r}]", tensor))
             if _autograd.view_base(tensor) is not None:
                 views.append(tensor)
+        if views:  # first, so that a view's entry is known to lie in its buffer's memory (`_protect`)
+            self._buffers(views, lambda: f"views of it handed to {load.said}")
         if new:
             if load not in self._loads:
                 self._loads.add(load)
                 self.loads_seen += 1
             placed = f"{where} (handed to {load.said})"
             self._protect([(path, tensor, placed) for path, tensor in new], HANDED, ref, "")
-        if views:
-            self._buffers(views, f"views of it handed to {load.said}")
 
     def consumed(self, load: _loads.Load, consumer: Optional[types.FrameType]) -> None:
         """`load`'s consumer asks for the next item: what it was handed before is consumed, unless
         the consumer's frame keeps it (a variable it reads later, or a container one holds)."""
-        waiting = [(entry, what) for entry, what in self._received.values()
-                   if what.kind == HANDED and not what.consumed and what.load is not None and what.load() is load]
+        pending = self._waiting.get(load)
+        if not pending:
+            return
+        received = self._received
+        waiting = [(entry, what) for entry, what in pending
+                   if received.get(id(entry)) is not None and what.kind == HANDED and not what.consumed
+                   and what.load is not None and what.load() is load]
+        pending[:] = waiting
         if not waiting:
             return
         kept: set[int] = set()
@@ -126,48 +142,111 @@ class ReceivedSet(SteppingSet):
         for entry, what in waiting:
             if id(entry.ref()) not in kept:
                 what.consumed = True
+        pending[:] = [(entry, what) for entry, what in waiting if not what.consumed]
 
     def load_ended(self, load: _loads.Load) -> None:
         """The load is over: what it was handed is let go (a view kept since is found at a refill)."""
-        done = [entry for entry, what in self._received.values()
+        self._waiting.pop(load, None)
+        done = [(entry, what) for entry, what in self._received.values()
                 if what.kind == HANDED and what.load is not None and what.load() in (load, None)]
-        if done:
-            for entry in done:
-                del self._received[id(entry)]
+        entries = self._entries
+        for entry, what in done:
+            del self._received[id(entry)]
+            if entries.get(what.key) is entry:  # freed ones too: their entries waited for this (`_on_handed_death`)
+                del entries[what.key]
+        if self._drop_handed() or done:  # (and those handed to other loads, freed since)
             with collector_paused():
-                self._let_go(done)
+                self._rebuild_index()
+
+    def _on_handed_death(self, _: object) -> None:
+        """A tensor handed to a load was freed (one a `for` loop consumed, as it moves on): its entry
+        can never be hit again (`overlaps` needs its tensor), and its memory, where it viewed a
+        receive buffer, is still the buffer's; so it waits for the load's end, or for `_PURGE`
+        more, to leave the memory index in one rebuild, rather than one rebuild each (`_dirty`)."""
+        self._handed_dead += 1
+
+    def _drop_handed(self) -> bool:
+        """Drop the entries of handed tensors freed since (`_on_handed_death`); whether there were any.
+        The caller rebuilds the index."""
+        if not self._handed_dead:
+            return False
+        self._handed_dead = 0
+        entries, received = self._entries, self._received
+        gone = [(key, entry, what) for key, (entry, what) in received.items() if entry.ref() is None]
+        for key, entry, what in gone:
+            del received[key]
+            if entries.get(what.key) is entry:
+                del entries[what.key]
+        return bool(gone)
 
     # -- entries -------------------------------------------------------------------------
 
-    def _buffers(self, tensors: Sequence[torch.Tensor], how: str) -> None:
-        """Protect the buffers `tensors` are (their view bases) as receive buffers, once each."""
-        new: list[tuple[str, torch.Tensor, Optional[str]]] = []
+    def _buffers(self, tensors: Sequence[torch.Tensor], how: Union[str, Callable[[], str]]) -> None:
+        """Protect the buffers `tensors` are (their view bases) as receive buffers, once each (`how`:
+        the receive, or what says it, asked only for a buffer not protected yet)."""
+        bases: list[torch.Tensor] = []
         seen: set[int] = set()
         for tensor in tensors:
             base = _root(tensor)
             if id(base) in seen or self.entry_of(base) is not None:
                 continue
             seen.add(id(base))
-            new.append((f"<receive buffer: {how}>", base, None))
-        if new:
-            self._protect(new, BUFFER, None, how)
+            bases.append(base)
+        if bases:
+            said = how if isinstance(how, str) else how()
+            self._buffer_entries = [e for e in self._buffer_entries if e.ref() is not None]
+            self._buffer_entries += self._protect([(f"<receive buffer: {said}>", base, None) for base in bases],
+                                                  BUFFER, None, said)
+
+    def _inside_a_buffer(self, record: _records.Record) -> bool:
+        """Whether a tensor's memory (its `record`) lies inside a live receive buffer's, one whose
+        elements tile their span: then any tensor that shares memory with it shares the buffer's."""
+        spans = _records.spans(record)
+        if not spans:
+            return False
+        for span in spans:
+            for buffer in self._buffer_entries:
+                if buffer.ref() is not None and any(
+                        b.dense and b.device == span.device and b.start <= span.start and span.stop <= b.stop
+                        for b in _records.spans(buffer.record)):
+                    break
+            else:
+                return False
+        return True
 
     def _protect(self, items: Sequence[tuple[str, torch.Tensor, Optional[str]]], kind: str,
                  load: Optional[weakref.ref[_loads.Load]], how: str) -> list[Entry]:
         """Entries for `items` (path, tensor, placed at) of `kind`, with no digest, published to the
         write hook now."""
+        handed = kind == HANDED
         with collector_paused():
+            if handed and self._handed_dead >= _PURGE and self._drop_handed():
+                self._rebuild_index()
             records = self._records_of([t for _, t, _ in items], digest=False)
+            # A handed tensor's death is told to `_on_handed_death`, not `_on_death` (see there).
+            on_death = self._on_handed_death if handed else self._on_death
+            to = load() if handed and load is not None else None
+            waiting = self._waiting.setdefault(to, []) if to is not None else None
             added = []
             for (path, tensor, placed), record in zip(items, records):
-                entry = self._entries[id(tensor)] = Entry(path, record, weakref.ref(tensor, self._on_death), placed)
-                self._received[id(entry)] = (entry, _Received(kind, load, how))
+                entry = self._entries[id(tensor)] = Entry(path, record, weakref.ref(tensor, on_death), placed)
+                what = _Received(kind, load, how, id(tensor))
+                self._received[id(entry)] = (entry, what)
                 added.append(entry)
+                if waiting is not None:
+                    waiting.append((entry, what))
             if kind != BUFFER:
                 self.received_count += len(added)
             else:
                 self._storages.update(_storage(t) for _, t, _ in items)
-            self._rebuild_index(added)
+            if handed and all(self._inside_a_buffer(e.record) for e in added):
+                # Memory a receive buffer's entry has already: the hook learns the tensors (by identity),
+                # and no buffer of a module comes to share memory it did not share with that entry, so
+                # the writers' layer above (which reads again which do, `IntendedWritesSet._rebuild_index`)
+                # has nothing to read again: this layer's and the ones below only.
+                super()._rebuild_index(added)
+            else:
+                self._rebuild_index(added)
         return added
 
     @property
@@ -303,12 +382,14 @@ def _held_tensors(frames: list[types.FrameType], skip: set[int], storages: set[i
     memory of `storages` (their addresses) that the code on `frames` may still read: in live
     variables, and in the dicts, lists, tuples, sets and objects' attributes they hold, to
     `_DEPTH` levels and `_BUDGET` objects. Iterative, each object's path made only for what is
-    found: it runs at every refill."""
+    found, what to do with a value decided once per type (`_kinds`): it runs at every refill."""
     found: list[tuple[int, torch.Tensor, int]] = []  # (node, tensor, frame index)
-    # node -> (parent node, the container, the step from it, the variable's name at a root); -1: none
+    # node -> (parent node, the container, the step from it, the variable's name at a root); -1: none.
+    # The step to an object's attribute is its key in `__dict__` here, made an `Attr` only for what is found.
     nodes: list[tuple[int, object, object, str]] = []
     budget = _BUDGET
     seen: set[int] = set(skip)
+    kinds = _kinds
     for depth, frame in enumerate(frames):
         live = _liveness.live_names(frame)
         if live is not None and not live:
@@ -319,7 +400,7 @@ def _held_tensors(frames: list[types.FrameType], skip: set[int], storages: set[i
                 *code.co_varnames, *code.co_cellvars, *code.co_freevars))
         except Exception:  # noqa: BLE001 - a frame that cannot be read holds nothing we name
             continue
-        stack: list[tuple[object, int, int]] = []  # (value, its node, its level)
+        stack: list[tuple[Any, int, int]] = []  # (value, its node, its level)
         for name, value in names.items():
             nodes.append((-1, None, None, name))
             stack.append((value, len(nodes) - 1, 0))
@@ -328,45 +409,52 @@ def _held_tensors(frames: list[types.FrameType], skip: set[int], storages: set[i
             if budget < 0:
                 return _named(found, nodes)
             value, node, level = stack.pop()
-            if id(value) in seen:
+            key = id(value)
+            if key in seen:
                 continue
             kind = type(value)  # `type()`: an object may refuse attribute reads (`__class__`)
-            what = _kinds.get(kind)
+            what = kinds.get(kind)
             if what is None:
-                what = _kinds[kind] = _kind_of(kind)
+                what = kinds[kind] = _kind_of(kind)
             if what == _TENSOR:
-                seen.add(id(value))
-                tensor = cast(torch.Tensor, value)
-                if _storage(tensor) in storages:
-                    found.append((node, tensor, depth))
+                seen.add(key)
+                if _storage(value) in storages:
+                    found.append((node, value, depth))
                 continue
             if what == _SKIP or level >= _DEPTH:
                 continue  # a module's weights are judged as weights; a Parameter is a weight
-            seen.add(id(value))
+            seen.add(key)
             try:
-                if issubclass(kind, dict):
-                    children: list[tuple[object, object]] = list(dict.items(cast("dict[object, object]", value)))
-                elif issubclass(kind, (list, tuple)):
-                    children = list(enumerate(cast("Sequence[object]", value)))
-                elif issubclass(kind, (set, frozenset)):
-                    children = [(_IN_SET, v) for v in cast("set[object]", value)]
+                if what == _MAPPING:
+                    children: list[tuple[Any, Any]] = list(dict.items(value))
+                elif what == _SEQUENCE:
+                    members = value if kind is tuple else list(value)  # (a tuple is its own snapshot)
+                    for child in members:  # most hold only what the walk passes over (a bucket's names, offsets)
+                        if kinds.get(type(child)) != _SKIP:
+                            break
+                    else:
+                        continue
+                    children = list(enumerate(members))
+                elif what == _SET:
+                    children = [(_IN_SET, v) for v in value]
                 else:
                     own = object.__getattribute__(value, "__dict__")  # an object's own attributes (a worker's self)
                     if not isinstance(own, dict):
                         continue
-                    children = [(_tree.Attr(str(k)), v) for k, v in own.items()]
+                    children = list(own.items())  # each step an attribute's name (see `_named`)
             except Exception:  # noqa: BLE001 - a container that refuses to be read holds nothing we name
                 continue
-            for step, child in children[:_ITEMS]:
-                if _kinds.get(type(child)) == _SKIP:
+            level += 1
+            for step, child in children[:_ITEMS] if len(children) > _ITEMS else children:
+                if kinds.get(type(child)) == _SKIP:
                     continue
                 nodes.append((node, value, step, ""))
-                stack.append((child, len(nodes) - 1, level + 1))
+                stack.append((child, len(nodes) - 1, level))
     return _named(found, nodes)
 
 
 _IN_SET = object()  # the step to a set's member: no key names it
-_TENSOR, _SKIP, _WALK = 0, 1, 2
+_TENSOR, _SKIP, _MAPPING, _SEQUENCE, _SET, _OBJECT = range(6)
 _kinds: dict[type, int] = {}  # what the walk does with a value of each type
 
 
@@ -375,7 +463,13 @@ def _kind_of(kind: type) -> int:
         return _SKIP  # a weight: judged as one (a view of a receive buffer loaded with assign=True is one too)
     if issubclass(kind, torch.Tensor):
         return _TENSOR
-    return _SKIP if issubclass(kind, _OPAQUE) or kind is type(None) else _WALK
+    if issubclass(kind, _OPAQUE) or kind is type(None):
+        return _SKIP
+    if issubclass(kind, dict):
+        return _MAPPING
+    if issubclass(kind, (list, tuple)):
+        return _SEQUENCE
+    return _SET if issubclass(kind, (set, frozenset)) else _OBJECT
 
 
 def _named(found: list[tuple[int, torch.Tensor, int]], nodes: list[tuple[int, object, object, str]]
@@ -388,6 +482,8 @@ def _named(found: list[tuple[int, torch.Tensor, int]], nodes: list[tuple[int, ob
         while node >= 0:
             parent, container, step, name = nodes[node]
             if parent >= 0 or container is not None:
+                if _kinds.get(type(container)) == _OBJECT:  # (`_held_tensors` keeps an attribute's name)
+                    step = _tree.Attr(str(step))
                 steps.append((container, step))
             node = parent
         steps.reverse()
