@@ -16,13 +16,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from kvguard._torch import patches as _patches
-
-
-def storage_address(tensor: torch.Tensor) -> int:
-    try:
-        return int(tensor.untyped_storage().data_ptr())
-    except Exception:  # noqa: BLE001 - no storage (a subclass): never taken for another's
-        return -id(tensor)
+from kvguard._torch.tensors import storage_address
 
 
 class _Collective:

@@ -101,7 +101,7 @@ def judge_all(judges: Iterable[WriteJudge], func: Any, facts: _ops.OpFacts, writ
     """
     _local.stopped = False
     judged = getattr(_local, "graph_storages", None)
-    if judged and all(_collectives.storage_address(t) in judged for t in written):
+    if judged and all(_tensors.storage_address(t) in judged for t in written):
         return []  # a compiled graph's own write to an input it mutates: judged before the graph ran
     pending: list[PendingWrite] = []
     stop: Optional[MutationError] = None
@@ -130,7 +130,7 @@ def judged_as_graph_writes(tensors: Sequence[torch.Tensor]) -> Callable[[], None
     it dispatches into their memory are not judged again (an inductor wrapper's `aten.copy_`).
     Returns the undo."""
     outer = getattr(_local, "graph_storages", None)
-    _local.graph_storages = (outer or frozenset()) | {_collectives.storage_address(t) for t in tensors}
+    _local.graph_storages = (outer or frozenset()) | {_tensors.storage_address(t) for t in tensors}
 
     def undo() -> None:
         _local.graph_storages = outer

@@ -32,14 +32,6 @@ from kvguard._torch import patches as _patches
 from kvguard._torch import tensors as _tensors
 
 
-def _storage(tensor: torch.Tensor) -> int:
-    """Which storage a tensor views (its own id where it has none to read)."""
-    try:
-        return _tensors.storage_identity(tensor)
-    except Exception:  # noqa: BLE001 - no storage (a subclass): never taken for another's
-        return -id(tensor)
-
-
 class ProtectedSet(Capabilities):
     """Maps written memory to protected entries; learns about newly placed tensors."""
 
@@ -104,9 +96,9 @@ class ProtectedSet(Capabilities):
         their values now; those not looked at yet are digested at their look."""
         if not outputs:
             return
-        storages = {_storage(t) for t in outputs}
+        storages = {_tensors.storage_address(t) for t in outputs}
         pending = self._stored_digests
-        for key in [k for k, (t, _, _) in pending.items() if _storage(t) in storages]:
+        for key in [k for k, (t, _, _) in pending.items() if _tensors.storage_address(t) in storages]:
             del pending[key]
         placed = [e for t in outputs for e in self.hits(t) if self._placed_here(e)]
         if placed:

@@ -42,6 +42,7 @@ from kvguard._protect.collector import collector_paused
 from kvguard._protect.entries import Change, Entry
 from kvguard._protect.weights_steps import SteppingSet
 from kvguard._torch import autograd as _autograd
+from kvguard._torch import tensors as _tensors
 
 if TYPE_CHECKING:
     from kvguard._protect.frames import Site
@@ -137,7 +138,7 @@ class ReceivedSet(SteppingSet):
         kept: set[int] = set()
         if consumer is not None:
             tensors = {id(t) for e, _ in waiting if (t := e.ref()) is not None}
-            storages = {_storage(t) for e, _ in waiting if (t := e.ref()) is not None}
+            storages = {_tensors.storage_address(t) for e, _ in waiting if (t := e.ref()) is not None}
             kept = {id(t) for _, t, _, _ in _held_tensors([consumer], set(), storages) if id(t) in tensors}
         for entry, what in waiting:
             if id(entry.ref()) not in kept:
@@ -238,7 +239,7 @@ class ReceivedSet(SteppingSet):
             if kind != BUFFER:
                 self.received_count += len(added)
             else:
-                self._storages.update(_storage(t) for _, t, _ in items)
+                self._storages.update(_tensors.storage_address(t) for _, t, _ in items)
             if handed and all(self._inside_a_buffer(e.record) for e in added):
                 # Memory a receive buffer's entry has already: the hook learns the tensors (by identity),
                 # and no buffer of a module comes to share memory it did not share with that entry, so
@@ -305,7 +306,7 @@ class ReceivedSet(SteppingSet):
         how = "; ".join(dict.fromkeys(self._received[id(e)][1].how for e in buffers))
         found: list[Entry] = []
         new: list[tuple[str, torch.Tensor, _tree.Chain, int]] = []
-        storages = {_storage(t) for t in written}
+        storages = {_tensors.storage_address(t) for t in written}
         for path, tensor, chain, depth in _held_tensors(frames, skip, storages):
             if not any(_overlap(tensor, w) for w in written):
                 continue
@@ -362,13 +363,6 @@ def _root(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _storage(tensor: torch.Tensor) -> int:
-    try:
-        return int(tensor.untyped_storage().data_ptr())
-    except Exception:  # noqa: BLE001 - no storage (a subclass): counted as its own
-        return id(tensor)
-
-
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     try:
         return a.device == b.device and _geometry.elements_overlap(a, b)
@@ -418,7 +412,7 @@ def _held_tensors(frames: list[types.FrameType], skip: set[int], storages: set[i
                 what = kinds[kind] = _kind_of(kind)
             if what == _TENSOR:
                 seen.add(key)
-                if _storage(value) in storages:
+                if _tensors.storage_address(value) in storages:
                     found.append((node, value, depth))
                 continue
             if what == _SKIP or level >= _DEPTH:

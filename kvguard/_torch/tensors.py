@@ -55,6 +55,15 @@ def identity(tensor: torch.Tensor) -> int:
     return int(tensor._cdata)
 
 
+def storage_address(tensor: torch.Tensor) -> int:
+    """Where a tensor's storage starts (views of one storage share it); a tensor with no storage
+    to read (a subclass) answers minus its id, never taken for another's."""
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except Exception:  # noqa: BLE001 - no storage to read
+        return -id(tensor)
+
+
 def storage_identity(tensor: torch.Tensor) -> int:
     """The address of the tensor's StorageImpl: views of one tensor share it (meta tensors too)."""
     return int(tensor.untyped_storage()._cdata)
