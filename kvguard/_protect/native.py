@@ -60,12 +60,6 @@ def _walked_tensors(found: Found) -> list[torch.Tensor]:
     return tensors
 
 
-def _stored_site(stored: dict[int, tuple[torch.Tensor, object, Optional[str]]], tensor: torch.Tensor) -> Optional[str]:
-    """The line a store of `tensor` was heard at (`ProtectedSet._stored`), if one was."""
-    at_store = stored.get(id(tensor))
-    return at_store[2] if at_store is not None and at_store[0] is tensor else None
-
-
 def _new_only(found: Found, again: list[tuple[int, int]]) -> Found:
     """A walk's leaves and runs less the tensors `Table.add` found protected already (`again`:
     their positions among the tensors), spelled out as leaves where there are any."""
@@ -223,7 +217,7 @@ class NativeSet(ProtectedSet):
                 if not n:
                     continue
                 paths += [(item.path, row)] * n
-                sites = [_stored_site(stored, t) for t in item.tensors] if stored else None
+                sites = [self._stored_line(t) for t in item.tensors] if stored else None
                 if sites is not None and None not in sites:
                     placed += sites
                 else:
@@ -232,7 +226,7 @@ class NativeSet(ProtectedSet):
                 row += n
             else:
                 paths.append(item.path)
-                site = _stored_site(stored, item.tensor) if stored else None
+                site = self._stored_line(item.tensor) if stored else None
                 placed.append(site if site is not None else None if placements is None
                               else placements.placed_at(item.chain, item.tensor))
                 row += 1
@@ -254,12 +248,11 @@ class NativeSet(ProtectedSet):
     def _as_stored_rows(self, rows: range) -> None:
         """`ProtectedSet._as_stored` by row: a row whose digest is the one taken at its store costs
         a lookup and an int comparison, and gets no `RowEntry`."""
-        stored, table = self._stored_digests, self._table
+        table = self._table
         changed = []
         for row in rows:
-            tensor = table.tensor(row)
-            at_store = stored.get(id(tensor)) if tensor is not None else None
-            if at_store is None or at_store[0] is not tensor:
+            at_store = self._at_store(table.tensor(row))
+            if at_store is None:
                 continue
             if row in self._py_records or row in self._py_digests or type(at_store[1]) is not int \
                     or table.record(row).digest != at_store[1]:

@@ -113,9 +113,9 @@ class ProtectedSet(Capabilities):
         else:
             found, _ = _tree.walk(value, "", torch.Tensor)
             tensors = [leaf.tensor for leaf in cast("list[_tree.Leaf]", found)]
-        pending = self._stored_digests
-        new = [t for t in tensors if id(t) not in pending and self.entry_of(t) is None]
-        new = [t for t in new if not _tensors.still_landing(t)]  # read at the look, as before
+        pending = self._stored_digests  # pinned memory still landing is read at the look, as before
+        new = [t for t in tensors if id(t) not in pending and self.entry_of(t) is None
+               and not _tensors.still_landing(t)]
         if not new:
             return
         self._placing()
@@ -124,20 +124,23 @@ class ProtectedSet(Capabilities):
         for tensor, digest in zip(new, _digest.digests(new)):
             pending[id(tensor)] = (tensor, digest, site)
 
+    def _at_store(self, tensor: Optional[torch.Tensor]) -> Optional[tuple[torch.Tensor, _digest.Digest, Optional[str]]]:
+        """What `_stored` took of this very tensor since the last look (its digest, its line), if any."""
+        at_store = self._stored_digests.get(id(tensor)) if tensor is not None else None
+        return at_store if at_store is not None and at_store[0] is tensor else None
+
+    def _stored_line(self, tensor: torch.Tensor) -> Optional[str]:
+        """The statement that stored `tensor`, where its store was heard: no source to search."""
+        at_store = self._at_store(tensor)
+        return at_store[2] if at_store is not None else None
+
     def _as_stored(self, entries: Sequence[Entry]) -> None:
         """Entries just made for placed tensors start from the values they were stored with, where
-        those were digested (`_stored`): a change since then, by any writer, is found next. Their
-        placement is the statement that stored them."""
-        pending = self._stored_digests
+        those were digested (`_stored`): a change since then, by any writer, is found next."""
         for entry in entries:
-            tensor = entry.ref()
-            stored = pending.get(id(tensor)) if tensor is not None else None
-            if stored is None or stored[0] is not tensor:
-                continue
-            if not _digest.same_all([entry.digest], [stored[1]])[0]:
-                entry.digest = stored[1]
-            if stored[2] is not None:
-                entry.placed_at = stored[2]
+            at_store = self._at_store(entry.ref())
+            if at_store is not None and not _digest.same_all([entry.digest], [at_store[1]])[0]:
+                entry.digest = at_store[1]
 
     def _stop_hearing(self) -> None:
         """No more stores or collectives' completions told to this set (at its close)."""
@@ -149,8 +152,7 @@ class ProtectedSet(Capabilities):
             undo()
 
     def stored_since_look(self, tensors: Sequence[torch.Tensor]) -> bool:
-        pending = self._stored_digests
-        return bool(pending) and any((p := pending.get(id(t))) is not None and p[0] is t for t in tensors)
+        return bool(self._stored_digests) and any(self._at_store(t) is not None for t in tensors)
 
     def _placed_all(self) -> None:
         """A placement pass is over: the digests taken at stores it read are no longer needed."""
@@ -390,13 +392,12 @@ class ProtectedSet(Capabilities):
         placements = None if frames is None else _placements.Placements(frames)  # each frame read once
         added = []
         at_entry = self._at_entry
-        stored = self._stored_digests
         for leaf, record in zip(leaves, records):
             if at_entry is not None:
                 at_entry.discard(id(leaf.tensor))  # a new tensor where one of those died
-            at_store = stored.get(id(leaf.tensor)) if stored else None
-            placed_at = (at_store[2] if at_store is not None and at_store[0] is leaf.tensor and at_store[2]
-                         else None if placements is None else placements.placed_at(leaf.chain, leaf.tensor))
+            placed_at = self._stored_line(leaf.tensor) if self._stored_digests else None
+            if placed_at is None and placements is not None:
+                placed_at = placements.placed_at(leaf.chain, leaf.tensor)
             entry = entries[id(leaf.tensor)] = Entry(leaf.path, record, weakref.ref(leaf.tensor, on_death), placed_at)
             added.append(entry)
         self.protected_count += len(leaves)
