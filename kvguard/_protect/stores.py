@@ -64,8 +64,3 @@ def unlisten(d: dict[object, object], listener: Listener) -> None:
     if not listening[1]:
         del _listeners[id(d)]
         _stores.unwatch(d)
-
-
-def listened(listener: Listener) -> list[dict[object, object]]:
-    """The dicts `listener` listens to (for tests and for a watcher's resync)."""
-    return [d for d, who in list(_listeners.values()) if listener in who]
